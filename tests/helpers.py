@@ -1,0 +1,23 @@
+"""Builders for tests: random targets small enough to run anywhere."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def make_random_llama(out_dir: Path, num_layers: int = 8, hidden_size: int = 64,
+                      vocab_size: int = 512, heads: int = 4, kv_heads: int = 2,
+                      intermediate_size: int = 128, tie_word_embeddings: bool = False,
+                      seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
