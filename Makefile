@@ -1,0 +1,17 @@
+# The two commands of the README. Both build the environment first (once).
+SHELL := /bin/bash
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test lint
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	snakemake --profile embedded
+
+test: setup
+	pytest -v -rs tests
+
+lint: setup
+	snakemake --lint

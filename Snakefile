@@ -1,0 +1,35 @@
+# Trains an EAGLE-3 draft for a model served by vLLM and hands back a draft that
+# vLLM and SGLang load as they are. Stages, one .smk each:
+#   embedded target (optional) -> prepare_dataset -> extract_hidden_states (GPU)
+#   -> build_vocab_map -> train_draft (GPU) -> export_draft -> evaluate_draft
+# docs/formats.md describes every artifact.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+validate(config, "schemas/config.schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/embedded.smk"
+include: "rules/dataset.smk"
+include: "rules/hidden_states.smk"
+include: "rules/vocab.smk"
+include: "rules/train.smk"
+include: "rules/export.smk"
+include: "rules/evaluate.smk"
+
+
+rule all:
+    input:
+        DRAFT_FILES,
+        f"{RESULTS}/eval/summary.json",
+    default_target: True
+
+
+onsuccess:
+    print_summary(f"{RESULTS}/eval/summary.json", f"{RESULTS}/draft")

@@ -1,0 +1,51 @@
+import json
+import os
+
+RESULTS = config["paths"]["results"]
+CACHE = config["paths"]["cache"]
+LOGS = config["paths"]["logs"]
+BENCHMARKS = f"{RESULTS}/benchmarks"
+
+EMBEDDED_DIR = f"{RESULTS}/embedded"
+USES_EMBEDDED_TARGET = config["target"]["path"] is None
+TARGET = f"{EMBEDDED_DIR}/target" if USES_EMBEDDED_TARGET else config["target"]["path"]
+DATASET = config["dataset"]["path"] or f"{EMBEDDED_DIR}/conversations.jsonl"
+DRAFT_FILES = [f"{RESULTS}/draft/config.json", f"{RESULTS}/draft/model.safetensors"]
+GPUS = config["resources"]["gpus"]
+
+
+def target_input():
+    """The target as an input: the embedded one is built here; a served one is
+    ancient, since touching the weights' directory must not re-drain production."""
+    return TARGET if USES_EMBEDDED_TARGET else ancient(TARGET)
+
+
+def dataset_input():
+    """A local dataset is an input file; a hub id is resolved by the stage itself."""
+    if config["dataset"]["path"] is None or os.path.exists(DATASET):
+        return DATASET
+    return []
+
+
+def json_arg(section):
+    """A config section as one shell-quoted JSON argument."""
+    import shlex
+
+    return shlex.quote(json.dumps(config[section], sort_keys=True))
+
+
+def print_summary(summary_path, draft_dir):
+    try:
+        with open(summary_path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return
+    vllm = summary.get("vllm", {})
+    print("\n=== EAGLE-3 draft ready ===")
+    print(f"draft:   {os.path.abspath(draft_dir)}")
+    print(f"summary: {os.path.abspath(summary_path)}")
+    for key in ("acceptance_length", "greedy_outputs_identical"):
+        if key in vllm:
+            print(f"vllm {key}: {vllm[key]}")
+    if "simulated" in summary:
+        print(f"simulated acceptance_length: {summary['simulated'].get('acceptance_length')}")

@@ -1,0 +1,27 @@
+rule prepare_dataset:
+    input:
+        data=dataset_input(),
+        target=target_input(),
+    output:
+        train=f"{RESULTS}/dataset/train.parquet",
+        eval=f"{RESULTS}/dataset/eval.parquet",
+        eval_prompts=f"{RESULTS}/dataset/eval_prompts.jsonl",
+        stats=f"{RESULTS}/dataset/stats.json",
+    params:
+        source=lambda wildcards, input: input.data if input.data else DATASET,
+        out_dir=lambda wildcards, output: os.path.dirname(output.train),
+        cfg=config["dataset"],
+    log:
+        f"{LOGS}/prepare_dataset.log",
+    benchmark:
+        f"{BENCHMARKS}/prepare_dataset.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.dataset --input {params.source:q} --tokenizer {input.target:q}"
+        " --out-dir {params.out_dir} --format {params.cfg[format]}"
+        " --max-length {params.cfg[max_length]} --length-policy {params.cfg[length_policy]}"
+        " --eval-fraction {params.cfg[eval_fraction]} --seed {params.cfg[seed]}"
+        " --max-bad-fraction {params.cfg[max_bad_fraction]}"
+        + (" --max-samples {params.cfg[max_samples]}" if config["dataset"]["max_samples"] else "")
+        + " 2>&1 | tee {log}"

@@ -1,0 +1,36 @@
+# Shards live in the cache (undeclared, resumable); the manifests written last
+# are the declared outputs. Both splits run in one GPU job so the target is
+# drained for and loaded once.
+rule extract_hidden_states:
+    input:
+        train=f"{RESULTS}/dataset/train.parquet",
+        eval=f"{RESULTS}/dataset/eval.parquet",
+        target=target_input(),
+    output:
+        train=f"{RESULTS}/hidden_states/train/manifest.json",
+        eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+    params:
+        cache=f"{CACHE}/hidden_states",
+        layers=(
+            " --aux-layer-ids " + ",".join(map(str, config["extract"]["aux_layer_ids"]))
+            if config["extract"]["aux_layer_ids"]
+            else ""
+        ),
+        cfg=config["extract"],
+    resources:
+        gpus=GPUS,
+    log:
+        f"{LOGS}/extract_hidden_states.log",
+    benchmark:
+        f"{BENCHMARKS}/extract_hidden_states.tsv"
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "(set -e; for pair in train:{input.train}:{output.train} eval:{input.eval}:{output.eval}; do"
+        " IFS=: read -r split dataset manifest <<< $pair;"
+        " python -m eagle3flow.hidden_states --split-name $split"
+        " --dataset $dataset --target {input.target:q}"
+        " --manifest $manifest --cache-root {params.cache}"
+        " --dtype {params.cfg[dtype]} --device {params.cfg[device]}"
+        " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
+        "{params.layers}; done) 2>&1 | tee {log}"

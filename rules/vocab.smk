@@ -1,0 +1,19 @@
+rule build_vocab_map:
+    input:
+        train=f"{RESULTS}/dataset/train.parquet",
+        target=target_input(),
+    output:
+        vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+        stats=f"{RESULTS}/vocab/stats.json",
+    params:
+        size=config["vocab"]["draft_vocab_size"],
+    log:
+        f"{LOGS}/build_vocab_map.log",
+    benchmark:
+        f"{BENCHMARKS}/build_vocab_map.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.vocab --dataset {input.train} --target {input.target:q}"
+        " --draft-vocab-size {params.size} --out {output.vocab_map} --stats {output.stats}"
+        " 2>&1 | tee {log}"
