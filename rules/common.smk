@@ -27,11 +27,15 @@ def dataset_input():
     return []
 
 
-def json_arg(section):
-    """A config section as one shell-quoted JSON argument."""
+def json_arg_of(value):
+    """A config value as one shell-quoted JSON argument."""
     import shlex
 
-    return shlex.quote(json.dumps(config[section], sort_keys=True))
+    return shlex.quote(json.dumps(value, sort_keys=True))
+
+
+def json_arg(section):
+    return json_arg_of(config[section])
 
 
 def print_summary(summary_path, draft_dir):

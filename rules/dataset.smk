@@ -11,6 +11,7 @@ rule prepare_dataset:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
         cfg=config["dataset"],
+        template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
     log:
         f"{LOGS}/prepare_dataset.log",
     benchmark:
@@ -22,6 +23,7 @@ rule prepare_dataset:
         " --out-dir {params.out_dir} --format {params.cfg[format]}"
         " --max-length {params.cfg[max_length]} --length-policy {params.cfg[length_policy]}"
         " --eval-fraction {params.cfg[eval_fraction]} --seed {params.cfg[seed]}"
-        " --max-bad-fraction {params.cfg[max_bad_fraction]}"
+        " --max-bad-fraction {params.cfg[max_bad_fraction]} --num-workers {params.cfg[num_workers]}"
+        " --chat-template-kwargs {params.template_kwargs}"
         + (" --max-samples {params.cfg[max_samples]}" if config["dataset"]["max_samples"] else "")
         + " 2>&1 | tee {log}"

@@ -1,0 +1,184 @@
+"""Render a conversation with the target's chat template and mark what the assistant says.
+
+The loss mask is 1 exactly on the tokens the target generates in an assistant turn
+(its content, plus the end-of-turn token that closes it) and 0 on everything the
+template adds around it (system prompt, user turns, role headers, the generation
+prompt). Works for any chat template, no per-model rules:
+
+1. For assistant turn ``i``, render ``messages[:i]`` with the generation prompt and
+   ``messages[:i+1]`` without. When both are prefixes of the full rendering, the
+   assistant span is the text between them (Llama-3, DeepSeek-V3, Kimi-K2, and the
+   last turn of Qwen3, whose empty ``<think>`` block then counts as generated).
+2. Otherwise (Qwen3 drops earlier turns' reasoning, so an earlier turn renders
+   differently once later turns follow) locate the assistant content itself in the
+   full rendering, after the previous turns and after the assistant header.
+3. The span ends at the content's end plus the end-of-turn marker (the added token
+   that follows it); template text after the marker (Qwen's ``\\n``) is not generated.
+4. Character spans become token positions through the fast tokenizer's offsets.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class MaskError(ValueError):
+    """The template and the conversation do not give a usable loss mask."""
+
+
+class ChatMasker:
+    """Tokenizes conversations with a chat template and computes their loss masks.
+
+    ``template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+    """
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; "
+                             "the loss mask needs character offsets (tokenizer.json)")
+        if not tokenizer.chat_template:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        # Longest first, so '<|im_end|>' wins over a shorter token that prefixes it.
+        self.added_tokens = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+        self.assistant_header = self._probe_assistant_header()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs)
+
+    def _probe_assistant_header(self) -> str | None:
+        """The text the generation prompt adds, e.g. '<|im_start|>assistant\\n'."""
+        probe = [{"role": "user", "content": "ping"}]
+        try:
+            without, with_prompt = self.render(probe), self.render(probe, True)
+        except Exception:
+            return None
+        if with_prompt.startswith(without) and len(with_prompt) > len(without):
+            return with_prompt[len(without):]
+        return None
+
+    def _end_of_turn_length(self, text: str, pos: int, limit: int, run: bool) -> int:
+        """Characters of the end-of-turn marker at ``text[pos:limit]``: optional
+        whitespace then one added token (``run``: every consecutive added token), or 0."""
+        k = pos
+        while k < limit and text[k].isspace():
+            k += 1
+        end = pos
+        while True:
+            token = next((t for t in self.added_tokens
+                          if text.startswith(t, k) and k + len(t) <= limit), None)
+            if token is None:
+                break
+            k += len(token)
+            end = k
+            if not run:
+                break
+        return end - pos
+
+    def _span_by_prefix(self, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+        try:
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            done = self.render(messages[:i + 1])
+        except Exception:
+            return None
+        if not (done.startswith(prompt) and full.startswith(done)) or len(done) == len(prompt):
+            return None
+        start, end = len(prompt), len(done)
+        content = messages[i]["content"].strip()
+        pos = full.rfind(content, start, end) if content else -1
+        if pos >= 0:
+            content_end = pos + len(content)
+            end = content_end + self._end_of_turn_length(full, content_end, end, run=True)
+        else:
+            # The template rewrote the content: end after the last added token of the turn.
+            last = max((full.rfind(t, start, end) + len(t) for t in self.added_tokens
+                        if full.rfind(t, start, end) >= 0), default=-1)
+            if last > start:
+                end = last
+        return start, end
+
+    def _span_by_search(self, full: str, content: str, cursor: int) -> tuple[int, int] | None:
+        # Reasoning templates (Qwen3, DeepSeek-R1) drop an earlier turn's <think> block:
+        # then only the answer after it is rendered.
+        for text in (content.strip(), content.split("</think>")[-1].strip()):
+            if not text:
+                continue
+            start = cursor
+            if self.assistant_header:
+                header = full.find(self.assistant_header, cursor)
+                if header >= 0 and full.find(text, header + len(self.assistant_header)) >= 0:
+                    start = header + len(self.assistant_header)
+            pos = full.find(text, start)
+            if pos >= 0:
+                end = pos + len(text)
+                return pos, end + self._end_of_turn_length(full, end, len(full), run=False)
+        return None
+
+    def assistant_spans(self, messages: list[dict], sample_id: str = "?") -> tuple[str, list[tuple[int, int]]]:
+        """The full rendering and the character spans ``[start, end)`` of its assistant turns."""
+        full = self.render(messages)
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        missing = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if message["role"] != "assistant":
+                # Move past this turn so an assistant reply repeating it is found after it.
+                pos = full.find(content.strip(), cursor)
+                if pos >= 0:
+                    cursor = pos + len(content.strip())
+                continue
+            span = self._span_by_prefix(messages, i, full)
+            if span is None:
+                span = self._span_by_search(full, content, cursor)
+            if span is None:
+                missing.append(i)
+                continue
+            spans.append(span)
+            cursor = span[1]
+        if missing and not spans:
+            raise MaskError(f"sample {sample_id!r}: loss mask is all 0 (no assistant turn found in "
+                            "the rendered conversation; check the chat template and the data)")
+        if missing:
+            raise MaskError(f"sample {sample_id!r}: assistant turn(s) {missing} not found in the "
+                            "rendered conversation")
+        return full, spans
+
+    def tokenize(self, messages: list[dict], sample_id: str = "?") -> tuple[np.ndarray, np.ndarray]:
+        """``input_ids`` int32 ``[T]`` and ``loss_mask`` int8 ``[T]`` of one conversation.
+
+        Raises MaskError (naming ``sample_id``) when the mask is all 0 or all 1.
+        """
+        full, spans = self.assistant_spans(messages, sample_id)
+        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)
+        starts = np.asarray([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
+        loss_mask = np.zeros(len(input_ids), dtype=np.int8)
+        for start, end in spans:
+            # A token belongs to the turn its first character is in.
+            loss_mask[(starts >= start) & (starts < end)] = 1
+        if len(loss_mask) == 0 or not loss_mask.any():
+            raise MaskError(f"sample {sample_id!r}: loss mask is all 0 (no assistant token found; "
+                            "check the chat template and the data)")
+        if loss_mask.all():
+            raise MaskError(f"sample {sample_id!r}: loss mask is all 1 (nothing but assistant "
+                            "tokens; the chat template or the data is wrong)")
+        return input_ids, loss_mask
+
+
+def load_tokenizer(path: str | Path):
+    """The target's fast tokenizer (local directory only, never downloads)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r} (needs tokenizer.json and "
+                         f"tokenizer_config.json): {error}") from error

@@ -1,0 +1,410 @@
+"""prepare_dataset: loss masks on real chat templates, formats, bad rows, lengths, split, CLI.
+
+Tokenizers are tiny byte-level BPEs trained here, with each family's special tokens
+and its official chat template (tests/fixtures/chat_templates), so nothing downloads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, SHARED
+from eagle3flow.chat_masks import ChatMasker, MaskError, load_tokenizer
+from eagle3flow.dataset import (DatasetConfig, DatasetError, conversation_from_record,
+                                make_unique, prepare_dataset)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TEMPLATES = FIXTURES / "chat_templates"
+DATA = FIXTURES / "datasets"
+SHAREGPT = SHARED / "data" / "sharegpt" / "dummy_conversation.json"
+
+DEEPSEEK_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                        "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"]
+# family -> (special tokens, non-special added tokens, bos, eos, end-of-turn marker)
+FAMILIES = {
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], [],
+               "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
+    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+              ["<think>", "</think>", "<tool_call>", "</tool_call>"],
+              None, "<|im_end|>", "<|im_end|>"),
+    "deepseek_v3": (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     *DEEPSEEK_TOOL_TOKENS], [],
+                    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "kimi_k2": (["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                 "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"], [],
+                "[BOS]", "[EOS]", "<|im_end|>"),
+}
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse geography tutor."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital of France."},
+    {"role": "user", "content": "Say exactly: hello world"},
+    {"role": "assistant", "content": "hello world"},
+    {"role": "user", "content": "And the capital of Italy?"},
+    {"role": "assistant", "content": "Rome."},
+]
+CORPUS = [m["content"] for m in CONVERSATION] + [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Once upon a time in a forest there was a story about numbers one two three.",
+    "You are a helpful assistant. Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024",
+]
+
+
+def make_chat_tokenizer(out_dir: Path, family: str, template: str | None = None) -> Path:
+    """A byte-level BPE (vocab ~400) with ``family``'s special tokens and chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special, plain, bos, eos, _ = FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = template if template is not None else \
+        (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat_tokenizers")
+    return {family: make_chat_tokenizer(root / family, family) for family in FAMILIES}
+
+
+def masked_runs(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray) -> list[str]:
+    """The decoded text of each maximal run of mask-1 tokens."""
+    runs, current = [], []
+    for token, bit in zip(input_ids.tolist(), loss_mask.tolist()):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def unmasked_text(tokenizer, input_ids, loss_mask) -> str:
+    return tokenizer.decode(input_ids[loss_mask == 0].tolist(), skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- masks on real templates
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mask_is_exactly_the_assistant_turns(tokenizer_dirs, family):
+    tokenizer = load_tokenizer(tokenizer_dirs[family])
+    input_ids, loss_mask = ChatMasker(tokenizer).tokenize(CONVERSATION, "conv")
+    eot = FAMILIES[family][4]
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    expected = [answer + eot for answer in answers]
+    if family == "qwen3":  # Qwen3 renders the last turn with an (empty) think block the model generates
+        expected[-1] = "<think>\n\n</think>\n\n" + expected[-1]
+    assert masked_runs(tokenizer, input_ids, loss_mask) == expected
+    # Nothing from system/user turns or the headers is masked, and the whole text round-trips.
+    full = tokenizer.decode(input_ids.tolist(), skip_special_tokens=False)
+    assert full == ChatMasker(tokenizer).render(CONVERSATION)
+    rest = unmasked_text(tokenizer, input_ids, loss_mask)
+    for message in CONVERSATION:
+        if message["role"] != "assistant":
+            assert message["content"] in rest
+    assert input_ids.dtype == np.int32 and loss_mask.dtype == np.int8
+    assert set(np.unique(loss_mask).tolist()) == {0, 1}
+
+
+def test_qwen3_without_thinking_masks_only_the_answer(tokenizer_dirs):
+    tokenizer = load_tokenizer(tokenizer_dirs["qwen3"])
+    masker = ChatMasker(tokenizer, {"enable_thinking": False})
+    input_ids, loss_mask = masker.tokenize(CONVERSATION, "conv")
+    answers = [m["content"] + "<|im_end|>" for m in CONVERSATION if m["role"] == "assistant"]
+    assert masked_runs(tokenizer, input_ids, loss_mask) == answers
+    assert "<think>\n\n</think>\n\n" in unmasked_text(tokenizer, input_ids, loss_mask)
+
+
+def test_qwen3_earlier_reasoning_dropped_by_template(tokenizer_dirs):
+    """Qwen3 drops an earlier turn's <think> block; the mask follows what is rendered."""
+    tokenizer = load_tokenizer(tokenizer_dirs["qwen3"])
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "<think>\nThe user asks about France.\n</think>\n\nParis."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "<think>\nItaly now.\n</think>\n\nRome."},
+    ]
+    input_ids, loss_mask = ChatMasker(tokenizer).tokenize(messages, "think")
+    assert masked_runs(tokenizer, input_ids, loss_mask) == [
+        "Paris.<|im_end|>", "<think>\nItaly now.\n</think>\n\nRome.<|im_end|>"]
+
+
+def test_all_zero_and_all_one_masks_are_refused(tmp_path):
+    users_only = "{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n{% endif %}{% endfor %}"
+    assistant_only = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    for name, template, words in (("zero", users_only, "all 0"), ("one", assistant_only, "all 1")):
+        tokenizer = load_tokenizer(make_chat_tokenizer(tmp_path / name, "llama3", template))
+        with pytest.raises(MaskError, match=f"sample 'sample-{name}'.*{words}"):
+            ChatMasker(tokenizer).tokenize(messages, f"sample-{name}")
+
+
+def test_broken_template_fails_the_run_naming_ids(tmp_path):
+    template = "{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n{% endif %}{% endfor %}"
+    tok_dir = make_chat_tokenizer(tmp_path / "tok", "llama3", template)
+    with pytest.raises(DatasetError, match=r"1 of 1 processed rows are bad.*loss mask.*sample .m-.*all 0"):
+        prepare_dataset(str(DATA / "messages.jsonl"), tok_dir, tmp_path / "out")
+    assert not (tmp_path / "out" / "stats.json").exists()
+
+
+# ---------------------------------------------------------------- records and formats
+
+def test_records_of_each_format_normalize():
+    assert conversation_from_record({"conversations": [
+        {"from": "system", "value": "Be nice."}, {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Bye"}]}, "sharegpt") == [
+        {"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}]  # the trailing user turn carries no loss
+    assert conversation_from_record(
+        {"instruction": "Translate.", "input": "Hi", "output": "Salut"}, "instruction") == [
+        {"role": "user", "content": "Translate.\n\nHi"}, {"role": "assistant", "content": "Salut"}]
+    assert conversation_from_record({"prompt": "Q", "response": "A", "system": "S"}, "instruction") == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"}]
+    assert make_unique(["a", "b", "a", "a#1", "a"]) == (
+        ["a", "b", "a#2", "a#1", "a#3"],
+        [{"id": "a", "new_id": "a#2"}, {"id": "a", "new_id": "a#3"}])
+
+
+def read_split(out_dir: Path, split: str):
+    table = pq.read_table(out_dir / f"{split}.parquet")
+    return table, table.to_pylist()
+
+
+def check_outputs(out_dir: Path, tokenizer_dir: Path) -> dict:
+    """Schema, types, mask sanity and stats consistency of one prepare_dataset output."""
+    stats = json.loads((out_dir / "stats.json").read_text())
+    tokenizer = load_tokenizer(tokenizer_dir)
+    all_ids = []
+    for split in ("train", "eval"):
+        table, rows = read_split(out_dir, split)
+        assert str(table.schema.field("input_ids").type) == "list<element: int32>"
+        assert str(table.schema.field("loss_mask").type) == "list<element: int8>"
+        assert str(table.schema.field("num_tokens").type) == "int32"
+        assert str(table.schema.field("id").type) == "string"
+        for row in rows:
+            assert row["num_tokens"] == len(row["input_ids"]) == len(row["loss_mask"])
+            assert 0 < sum(row["loss_mask"]) < row["num_tokens"]
+        split_stats = stats["splits"][split]
+        assert split_stats["samples"] == len(rows)
+        assert split_stats["tokens"] == sum(r["num_tokens"] for r in rows)
+        assert split_stats["assistant_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+        all_ids += [r["id"] for r in rows]
+    assert len(all_ids) == len(set(all_ids)) == stats["rows"]["kept"]
+    prompts = [json.loads(line) for line in (out_dir / "eval_prompts.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in prompts] == [r["id"] for r in read_split(out_dir, "eval")[1]]
+    for prompt in prompts:
+        assert prompt["messages"] and prompt["messages"][-1]["role"] == "user"
+        assert all(m["role"] != "assistant" for m in prompt["messages"])
+    assert not list(out_dir.glob(".*tmp"))
+    assert tokenizer.decode(read_split(out_dir, "train")[1][0]["input_ids"][:1]) != ""
+    return stats
+
+
+def test_messages_file_end_to_end(tokenizer_dirs, tmp_path):
+    out = tmp_path / "out"
+    stats = prepare_dataset(str(DATA / "messages.jsonl"), tokenizer_dirs["llama3"], out,
+                            DatasetConfig(eval_fraction=0.2, max_bad_fraction=0.0))
+    assert check_outputs(out, tokenizer_dirs["llama3"]) == json.loads((out / "stats.json").read_text())
+    assert stats["sources"][0]["format"] == "messages"
+    assert stats["rows"] == {"total": 6, "processed": 6, "kept": 6}
+    assert stats["splits"]["eval"]["samples"] == 1 and stats["bad"]["count"] == 0
+    tokenizer = load_tokenizer(tokenizer_dirs["llama3"])
+    rows = {r["id"]: r for split in ("train", "eval") for r in read_split(out, split)[1]}
+    paris = rows["m-paris"]
+    assert masked_runs(tokenizer, np.array(paris["input_ids"]), np.array(paris["loss_mask"])) == [
+        "Paris.<|eot_id|>", "Rome is the capital of Italy.<|eot_id|>"]
+    trailing = rows["m-trailing-user"]  # the closing user turn is cut, so the sample ends on <|eot_id|>
+    assert tokenizer.decode(trailing["input_ids"]).endswith("Seven is prime.<|eot_id|>")
+    assert trailing["loss_mask"][-1] == 1
+
+
+def test_instruction_and_sharegpt_formats_from_a_directory(tokenizer_dirs, tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for name in ("alpaca.json", "prompt_response.jsonl"):
+        (data_dir / name).write_bytes((DATA / name).read_bytes())
+    import pandas as pd
+    (data_dir / "sub").mkdir()
+    pd.DataFrame([{"id": "pq-1", "conversations": [{"from": "human", "value": "Ping?"},
+                                                   {"from": "gpt", "value": "Pong!"}]}]
+                 ).to_parquet(data_dir / "sub" / "sharegpt.parquet")
+    out = tmp_path / "out"
+    stats = prepare_dataset(str(data_dir), tokenizer_dirs["qwen3"], out, DatasetConfig(eval_fraction=0.25))
+    check_outputs(out, tokenizer_dirs["qwen3"])
+    formats = {Path(s["name"]).name: s["format"] for s in stats["sources"]}
+    assert formats == {"alpaca.json": "instruction", "prompt_response.jsonl": "instruction",
+                       "sharegpt.parquet": "sharegpt"}
+    ids = {r["id"] for split in ("train", "eval") for r in read_split(out, split)[1]}
+    assert ids == {"row-0", "row-1", "row-2", "row-3", "81", "82", "83", "pq-1"}
+    tokenizer = load_tokenizer(tokenizer_dirs["qwen3"])
+    rows = {r["id"]: r for split in ("train", "eval") for r in read_split(out, split)[1]}
+    text = tokenizer.decode(rows["row-1"]["input_ids"])
+    assert "Translate to French.\n\nGood morning<|im_end|>" in text
+    assert masked_runs(tokenizer, np.array(rows["pq-1"]["input_ids"]), np.array(rows["pq-1"]["loss_mask"])) \
+        == ["<think>\n\n</think>\n\nPong!<|im_end|>"]
+
+
+@pytest.mark.skipif(not SHAREGPT.exists(), reason=f"{SHAREGPT} not present")
+def test_sharegpt_dummy_conversations(tokenizer_dirs, tmp_path):
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    stats = prepare_dataset(str(SHAREGPT), tokenizer_dirs["llama3"], out, DatasetConfig(max_samples=120))
+    elapsed = time.perf_counter() - start
+    check_outputs(out, tokenizer_dirs["llama3"])
+    assert stats["sources"][0]["format"] == "sharegpt" and stats["rows"]["total"] == 500
+    assert stats["rows"]["kept"] == 120 and stats["bad"]["count"] == 0
+    assert stats["splits"]["eval"]["samples"] == round(0.02 * 120)
+    source = {r["id"]: r for r in json.loads(SHAREGPT.read_text())}
+    tokenizer = load_tokenizer(tokenizer_dirs["llama3"])
+    for row in read_split(out, "train")[1][:20]:
+        answers = [t["value"].strip() + "<|eot_id|>" for t in source[row["id"]]["conversations"]
+                   if t["from"] == "gpt"]
+        assert masked_runs(tokenizer, np.array(row["input_ids"]), np.array(row["loss_mask"])) == answers
+    print(f"sharegpt: 120 samples in {elapsed:.2f}s")
+
+
+# ---------------------------------------------------------------- bad rows, lengths, split
+
+def test_bad_rows_are_reported_by_id_and_reason(tokenizer_dirs, tmp_path):
+    with pytest.raises(DatasetError, match=r"processed rows are bad .*first: (row-1|no-messages|"
+                       r"unknown-role|empty-content|no-assistant|assistant-first|row-9) \("):
+        prepare_dataset(str(DATA / "bad_rows.jsonl"), tokenizer_dirs["llama3"], tmp_path / "strict")
+    out = tmp_path / "out"
+    stats = prepare_dataset(str(DATA / "bad_rows.jsonl"), tokenizer_dirs["llama3"], out,
+                            DatasetConfig(max_bad_fraction=0.7, eval_fraction=0.0))
+    check_outputs(out, tokenizer_dirs["llama3"])
+    reasons = {r["id"]: r["reason"] for r in stats["bad"]["rows"]}
+    assert reasons == {"row-1": "not a record", "no-messages": "missing messages",
+                       "unknown-role": "unknown role", "empty-content": "empty content",
+                       "no-assistant": "no assistant turn",
+                       "assistant-first": "assistant turn before any user turn",
+                       "row-9": "invalid JSON"}
+    assert stats["bad"]["count"] == 7 and stats["rows"]["kept"] == 4
+    assert stats["duplicate_ids"]["renamed"] == [{"id": "good-2", "new_id": "good-2#1"}]
+    assert sorted(r["id"] for r in read_split(out, "train")[1]) == ["good-1", "good-2", "good-2#1", "good-3"]
+    assert stats["splits"]["eval"]["samples"] == 0 and (out / "eval_prompts.jsonl").read_text() == ""
+
+
+def test_length_policies(tokenizer_dirs, tmp_path):
+    tok = tokenizer_dirs["llama3"]
+    full_rows = read_split(_run(tok, tmp_path / "full", DatasetConfig(eval_fraction=0.0)), "train")[1]
+    lengths = {r["id"]: r["num_tokens"] for r in full_rows}
+    first_assistant = {r["id"]: r["loss_mask"].index(1) for r in full_rows}
+    limit = sorted(lengths.values())[-2]  # only the longest sample is over it
+    longest = max(lengths, key=lengths.get)
+
+    out = _run(tok, tmp_path / "drop", DatasetConfig(max_length=limit, length_policy="drop", eval_fraction=0))
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["dropped"]["rows"] == [{"id": longest, "reason": "longer than max_length",
+                                         "detail": f"{lengths[longest]} > {limit}"}]
+    assert longest not in {r["id"] for r in read_split(out, "train")[1]}
+
+    out = _run(tok, tmp_path / "truncate", DatasetConfig(max_length=limit, eval_fraction=0))
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["truncated"] == {"count": 1, "ids": [longest]} and stats["dropped"]["count"] == 0
+    row = next(r for r in read_split(out, "train")[1] if r["id"] == longest)
+    assert row["num_tokens"] == limit and row["loss_mask"][-1] == 1
+
+    # A cut before the first assistant token leaves nothing to learn: dropped, not kept.
+    tiny = min(first_assistant.values()) + 1
+    out = _run(tok, tmp_path / "tiny", DatasetConfig(max_length=tiny, eval_fraction=0, max_bad_fraction=0))
+    stats = json.loads((out / "stats.json").read_text())
+    cut_early = sorted(i for i, first in first_assistant.items() if first >= tiny)
+    assert cut_early and sorted(r["id"] for r in stats["dropped"]["rows"]) == cut_early
+    assert stats["dropped"]["by_reason"] == {"no assistant token within max_length": len(cut_early)}
+    kept = read_split(out, "train")[1]
+    assert len(kept) == 6 - len(cut_early) and all(r["num_tokens"] == tiny for r in kept)
+
+
+def _run(tokenizer_dir, out_dir, config, data=DATA / "messages.jsonl"):
+    prepare_dataset(str(data), tokenizer_dir, out_dir, config)
+    return out_dir
+
+
+def test_split_and_cap_ignore_row_order(tokenizer_dirs, tmp_path):
+    tok = tokenizer_dirs["llama3"]
+    rows = [{"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                         {"role": "assistant", "content": f"Answer {i}."}]} for i in range(40)]
+    split_ids = []
+    for name, seed, shuffle in (("a", 0, False), ("b", 0, True), ("c", 1, False)):
+        ordered = list(rows)
+        if shuffle:
+            random.Random(7).shuffle(ordered)
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in ordered))
+        out = _run(tok, tmp_path / name, DatasetConfig(eval_fraction=0.1, seed=seed), data)
+        split_ids.append({split: sorted(r["id"] for r in read_split(out, split)[1]) for split in ("train", "eval")})
+    assert split_ids[0] == split_ids[1]
+    assert len(split_ids[0]["eval"]) == 4 and len(split_ids[0]["train"]) == 36
+    assert split_ids[0]["eval"] != split_ids[2]["eval"]  # the seed matters
+
+    capped = [_run(tok, tmp_path / f"cap{n}", DatasetConfig(eval_fraction=0.1, max_samples=n),
+                   tmp_path / "b.jsonl") for n in (10, 20)]
+    ids = [{r["id"] for s in ("train", "eval") for r in read_split(out, s)[1]} for out in capped]
+    assert len(ids[0]) == 10 and len(ids[1]) == 20 and ids[0] < ids[1]  # nested, order-free
+    assert len(read_split(capped[0], "eval")[1]) == 1
+
+    # Worker processes change the speed, not the result (same rows, same order).
+    parallel = _run(tok, tmp_path / "cap10-workers", DatasetConfig(eval_fraction=0.1, max_samples=10,
+                                                                  num_workers=2), tmp_path / "b.jsonl")
+    for split in ("train", "eval"):
+        assert read_split(parallel, split)[1] == read_split(capped[0], split)[1]
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(*args, env_extra=None, timeout=120):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "eagle3flow.dataset", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def test_cli_end_to_end(tokenizer_dirs, tmp_path):
+    out = tmp_path / "results" / "dataset"
+    result = _cli("--input", DATA / "alpaca.json", "--tokenizer", tokenizer_dirs["deepseek_v3"],
+                  "--out-dir", out, "--format", "instruction", "--max-length", 64,
+                  "--length-policy", "drop", "--eval-fraction", 0.25, "--seed", 3,
+                  "--max-bad-fraction", 0, "--max-samples", 0)
+    assert result.returncode == 0, result.stderr
+    assert "prepare_dataset: train 3 samples" in result.stderr
+    stats = check_outputs(out, tokenizer_dirs["deepseek_v3"])
+    assert stats["config"]["seed"] == 3 and stats["config"]["max_length"] == 64
+
+
+def test_cli_hub_id_fails_fast_offline(tokenizer_dirs, tmp_path):
+    start = time.perf_counter()
+    result = _cli("--input", "no-such-org/no-such-dataset", "--tokenizer", tokenizer_dirs["llama3"],
+                  "--out-dir", tmp_path / "out", timeout=60)
+    assert result.returncode == 1
+    assert "'no-such-org/no-such-dataset'" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
+    assert time.perf_counter() - start < 60
+    missing = _cli("--input", tmp_path / "missing.jsonl", "--tokenizer", tokenizer_dirs["llama3"],
+                   "--out-dir", tmp_path / "out")
+    assert missing.returncode == 1 and "missing.jsonl' does not exist" in missing.stderr
