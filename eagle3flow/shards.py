@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,10 +75,28 @@ def write_shard(path: str | os.PathLike, sample_ids: list[str], input_ids: list[
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "sample_ids": json.dumps(sample_ids)})
+    _sort_metadata(tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return shard_entry(path)
+
+
+def _sort_metadata(path: Path) -> None:
+    """Rewrite the header with metadata keys sorted, in place, same header length.
+
+    safetensors serializes metadata from a Rust HashMap, in a random order per process;
+    sorted, the same shard is the same bytes, so a resumed extraction can be checked
+    bitwise against an uninterrupted one.
+    """
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # safetensors pads its header with spaces too
+            f.seek(8)
+            f.write(text.ljust(size, b" "))
 
 
 def shard_entry(path: str | os.PathLike) -> dict:

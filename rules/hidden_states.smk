@@ -26,11 +26,9 @@ rule extract_hidden_states:
     conda:
         "../envs/train.yaml"
     shell:
-        "(set -e; for pair in train:{input.train}:{output.train} eval:{input.eval}:{output.eval}; do"
-        " IFS=: read -r split dataset manifest <<< $pair;"
-        " python -m eagle3flow.hidden_states --split-name $split"
-        " --dataset $dataset --target {input.target:q}"
-        " --manifest $manifest --cache-root {params.cache}"
+        "python -m eagle3flow.hidden_states --target {input.target:q} --cache-root {params.cache}"
+        " --split-name train --dataset {input.train} --manifest {output.train}"
+        " --split-name eval --dataset {input.eval} --manifest {output.eval}"
         " --dtype {params.cfg[dtype]} --device {params.cfg[device]}"
         " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
-        "{params.layers}; done) 2>&1 | tee {log}"
+        "{params.layers} 2>&1 | tee {log}"

@@ -1,0 +1,241 @@
+"""Hidden-state extraction: the layer-id convention, exactness, resume after kill -9, cache."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from eagle3flow import shards
+from eagle3flow.hidden_states import LOADING_LINE, SHARD_DELAY_ENV, capture, extract
+
+AUX = [0, 2, 4, 7]  # includes the embeddings (0) and the last layer's input (N-1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: fast on a shared 2-core box, and the same math as the subprocesses."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(random_llama_target):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(random_llama_target), dtype=torch.float32).eval()
+
+
+def write_dataset(path: Path, num_samples: int, seed: int = 0, min_len: int = 2, max_len: int = 40):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(num_samples):
+        n = int(rng.integers(min_len, max_len))
+        rows.append({"id": f"sample-{i}", "input_ids": rng.integers(0, 512, n).astype(np.int32),
+                     "loss_mask": (rng.random(n) < 0.5).astype(np.int8), "num_tokens": np.int32(n)})
+    pd.DataFrame(rows).to_parquet(path, row_group_size=7)  # several row groups: streamed reads
+    return path
+
+
+def shard_files(cache_root: Path) -> list[Path]:
+    return sorted(cache_root.glob("*/shard-*.safetensors"))
+
+
+def stamps(paths) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
+
+
+def digests(paths) -> dict[str, str]:
+    return {p.name: shards.sha256_file(p) for p in paths}
+
+
+def run_extract(dataset, target, out: Path, **kwargs):
+    opts = dict(aux_layer_ids=AUX, batch_tokens=96, shard_tokens=120, device="cpu")
+    opts.update(kwargs)
+    return extract(dataset, target, out / "manifest.json", out / "cache", **opts)
+
+
+def test_capture_follows_the_layer_id_convention(model):
+    ids = torch.randint(3, 512, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    aux, last = capture(model, ids, mask, AUX)
+    with torch.inference_mode():
+        reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hidden = model.config.hidden_size
+    assert aux.shape == (2, 9, len(AUX) * hidden) and last.shape == (2, 9, hidden)
+    # id k = HF hidden_states[k] = the input of decoder layer k (capture hooks that input).
+    for j, k in enumerate(AUX):
+        assert torch.equal(aux[..., j * hidden:(j + 1) * hidden], reference.hidden_states[k]), k
+    assert torch.equal(aux[..., :hidden], model.model.embed_tokens(ids))
+    # last is the final-norm output: the teacher's logits, exactly.
+    assert torch.equal(model.lm_head(last), reference.logits)
+
+
+def test_extract_equals_per_sample_forward(tmp_path, random_llama_target, model):
+    dataset = write_dataset(tmp_path / "train.parquet", 16)
+    manifest = run_extract(dataset, random_llama_target, tmp_path, split_name="eval")
+    table = pd.read_parquet(dataset)
+    assert manifest["num_samples"] == 16 and manifest["num_tokens"] == int(table.num_tokens.sum())
+    assert manifest["split"] == "eval" and manifest["aux_layer_ids"] == AUX
+    assert manifest["num_layers"] == 8 and manifest["hidden_size"] == 64
+    assert manifest["dtype"] == "float32" and len(manifest["shards"]) > 2
+    assert manifest["num_loss_tokens"] == int(sum(m.sum() for m in table.loss_mask))
+    assert manifest["shard_dir"] == str(tmp_path / "cache" / manifest["fingerprint"])
+    loaded = shards.load_manifest(tmp_path / "manifest.json")
+    for entry, path in zip(manifest["shards"], loaded.shard_paths):
+        assert entry == shards.shard_entry(path)  # sha256, counts and bytes of the file on disk
+
+    samples = list(loaded.iter_samples())
+    assert [s["id"] for s in samples] == list(table.id)  # dataset order restored after sorting
+    for sample, (_, row) in zip(samples, table.iterrows()):
+        assert sample["input_ids"].tolist() == row.input_ids.tolist()
+        assert sample["loss_mask"].tolist() == row.loss_mask.tolist()
+        ids = torch.as_tensor(row.input_ids, dtype=torch.long)[None]
+        with torch.inference_mode():
+            ref = model(input_ids=ids, output_hidden_states=True)
+        expected_aux = torch.cat([ref.hidden_states[k][0] for k in AUX], dim=-1)
+        # Batched with padding vs alone: same math, up to float32 reduction order.
+        torch.testing.assert_close(sample["aux_hidden_states"], expected_aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.lm_head(sample["last_hidden_state"]), ref.logits[0],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_max_length_cuts_samples(tmp_path, random_llama_target):
+    dataset = write_dataset(tmp_path / "train.parquet", 6, min_len=10, max_len=30)
+    manifest = run_extract(dataset, random_llama_target, tmp_path, max_length=12)
+    samples = list(shards.load_manifest(tmp_path / "manifest.json").iter_samples())
+    assert all(len(s["input_ids"]) == 12 for s in samples)
+    assert manifest["num_tokens"] == 72 and manifest["truncated_samples"] == 6
+
+
+def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path, random_llama_target):
+    dataset = write_dataset(tmp_path / "train.parquet", 30)
+    reference = run_extract(dataset, random_llama_target, tmp_path / "reference")
+    assert len(reference["shards"]) >= 5
+
+    out = tmp_path / "killed"
+    env = {**os.environ, SHARD_DELAY_ENV: "3", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "eagle3flow.hidden_states", "--dataset", str(dataset),
+           "--target", str(random_llama_target), "--manifest", str(out / "manifest.json"),
+           "--cache-root", str(out / "cache"), "--aux-layer-ids", ",".join(map(str, AUX)),
+           "--device", "cpu", "--batch-tokens", "96", "--shard-tokens", "120"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not shard_files(out / "cache"):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "no shard after 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    survivors = shard_files(out / "cache")
+    assert len(survivors) < len(reference["shards"]) and not (out / "manifest.json").exists()
+    before = stamps(survivors)
+
+    resumed = run_extract(dataset, random_llama_target, out)
+    final = shard_files(out / "cache")
+    assert {k: v for k, v in stamps(final).items() if k in before} == before  # not rewritten
+    assert digests(final) == {s["file"]: s["sha256"] for s in reference["shards"]}
+    assert resumed["shards"] == reference["shards"]
+    assert resumed["fingerprint"] == reference["fingerprint"]
+
+
+def test_corrupt_shards_are_recomputed_alone(tmp_path, random_llama_target, capfd):
+    dataset = write_dataset(tmp_path / "train.parquet", 20)
+    first = run_extract(dataset, random_llama_target, tmp_path)
+    files = shard_files(tmp_path / "cache")
+    truncated, flipped = files[1], files[3]
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size // 2)
+    with open(flipped, "r+b") as f:  # same size, one byte of tensor data changed: only the sha sees it
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    before = stamps(files)
+    capfd.readouterr()
+
+    second = run_extract(dataset, random_llama_target, tmp_path)
+    after = stamps(files)
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {truncated.name, flipped.name}
+    assert second["shards"] == first["shards"]
+    assert f"({len(files) - 2} cached)" in capfd.readouterr().err
+
+
+def test_fully_cached_rerun_does_not_load_the_model(tmp_path, random_llama_target, capfd):
+    # A private copy of the target whose weights we then overwrite in place with garbage,
+    # keeping size, inode and mtime: loading it would fail, so success = never loaded.
+    target = tmp_path / "target"
+    shutil.copytree(random_llama_target, target)
+    dataset = write_dataset(tmp_path / "train.parquet", 8)
+    first = run_extract(dataset, target, tmp_path)
+    assert LOADING_LINE in capfd.readouterr().err
+
+    weights = target / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:
+        f.write(b"\0" * st.st_size)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (tmp_path / "manifest.json").unlink()
+
+    second = run_extract(dataset, target, tmp_path)
+    assert LOADING_LINE not in capfd.readouterr().err
+    assert second == first
+
+
+def test_a_changed_config_gets_a_new_cache(tmp_path, random_llama_target):
+    dataset = write_dataset(tmp_path / "train.parquet", 4)
+    a = run_extract(dataset, random_llama_target, tmp_path)
+    b = run_extract(dataset, random_llama_target, tmp_path, aux_layer_ids=[1, 2, 3])
+    c = run_extract(dataset, random_llama_target, tmp_path, shard_tokens=50)
+    assert len({a["fingerprint"], b["fingerprint"], c["fingerprint"]}) == 3
+    assert json.loads((tmp_path / "manifest.json").read_text()) == c
+
+
+def test_bad_inputs_fail_before_any_work(tmp_path, random_llama_target):
+    out = tmp_path / "out"
+    empty = tmp_path / "empty.parquet"
+    pd.DataFrame({"id": pd.Series([], dtype=str), "input_ids": pd.Series([], dtype=object),
+                  "loss_mask": pd.Series([], dtype=object),
+                  "num_tokens": pd.Series([], dtype=np.int32)}).to_parquet(empty)
+    with pytest.raises(ValueError, match="empty.parquet: the dataset is empty"):
+        run_extract(empty, random_llama_target, out)
+
+    dataset = write_dataset(tmp_path / "train.parquet", 3)
+    with pytest.raises(ValueError, match=r"\[8\] out of range.*8 decoder layers"):
+        run_extract(dataset, random_llama_target, out, aux_layer_ids=[2, 8])
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(random_llama_target / "config.json", no_weights)
+    with pytest.raises(FileNotFoundError, match="no weight files"):
+        run_extract(dataset, no_weights, out)
+
+    table = pd.read_parquet(dataset)
+    table.loc[1, "num_tokens"] += 1
+    table.to_parquet(tmp_path / "bad_len.parquet")
+    with pytest.raises(ValueError, match=r"bad_len.parquet: row 1 \(id sample-1\): num_tokens"):
+        run_extract(tmp_path / "bad_len.parquet", random_llama_target, out)
+
+    table = pd.read_parquet(dataset)
+    table.at[2, "input_ids"] = np.array([1, 512], dtype=np.int32)
+    table.at[2, "loss_mask"] = np.array([0, 1], dtype=np.int8)
+    table.loc[2, "num_tokens"] = 2
+    table.to_parquet(tmp_path / "bad_id.parquet")
+    with pytest.raises(ValueError, match=r"row 2 \(id sample-2\): token id outside"):
+        run_extract(tmp_path / "bad_id.parquet", random_llama_target, out)
+    assert not out.exists()  # nothing written, no cache made
