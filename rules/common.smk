@@ -38,18 +38,27 @@ def json_arg(section):
     return json_arg_of(config[section])
 
 
+def evaluate_config():
+    """The evaluate section with tensor parallelism resolved: all GPUs of the node on
+    GPUs, 1 on the CPU build."""
+    cfg = dict(config["evaluate"])
+    if cfg["tensor_parallel_size"] is None:
+        cfg["tensor_parallel_size"] = GPUS if GPUS > 0 and cfg["device"] != "cpu" else 1
+    return cfg
+
+
 def print_summary(summary_path, draft_dir):
     try:
         with open(summary_path) as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return
-    vllm = summary.get("vllm", {})
+    vllm = summary.get("vllm") or {}
+    simulated = summary.get("simulated") or {}
+    lossless = summary.get("lossless") or {}
     print("\n=== EAGLE-3 draft ready ===")
     print(f"draft:   {os.path.abspath(draft_dir)}")
     print(f"summary: {os.path.abspath(summary_path)}")
-    for key in ("acceptance_length", "greedy_outputs_identical"):
-        if key in vllm:
-            print(f"vllm {key}: {vllm[key]}")
-    if "simulated" in summary:
-        print(f"simulated acceptance_length: {summary['simulated'].get('acceptance_length')}")
+    print(f"vLLM acceptance length:      {vllm.get('acceptance_length')}")
+    print(f"simulated acceptance length: {simulated.get('acceptance_length')}")
+    print(f"greedy outputs identical:    {lossless.get('passed')}")

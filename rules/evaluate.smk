@@ -8,7 +8,7 @@ rule evaluate_draft:
         summary=f"{RESULTS}/eval/summary.json",
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.draft[0]),
-        cfg=config["evaluate"],
+        cfg=json_arg_of(evaluate_config()),
     log:
         f"{LOGS}/evaluate_draft.log",
     benchmark:
@@ -18,6 +18,4 @@ rule evaluate_draft:
     shell:
         "python -m eagle3flow.evaluate --draft {params.draft_dir} --target {input.target:q}"
         " --eval-prompts {input.eval_prompts} --eval-manifest {input.eval_manifest}"
-        " --out {output.summary} --num-speculative-tokens {params.cfg[num_speculative_tokens]}"
-        " --max-tokens {params.cfg[max_tokens]} --num-prompts {params.cfg[num_prompts]}"
-        " --device {params.cfg[device]} 2>&1 | tee {log}"
+        " --out {output.summary} --config-json {params.cfg} 2>&1 | tee {log}"

@@ -16,6 +16,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session")
 def random_llama_target(tmp_path_factory) -> Path:
-    """A random 8-layer LlamaForCausalLM (H=64, vocab 512) saved as an HF dir (no tokenizer)."""
+    """A random 8-layer LlamaForCausalLM (H=64, head_dim 32, vocab 512) saved as an HF dir (no tokenizer)."""
     from helpers import make_random_llama
     return make_random_llama(tmp_path_factory.mktemp("random_llama"))

@@ -5,9 +5,10 @@ from pathlib import Path
 
 
 def make_random_llama(out_dir: Path, num_layers: int = 8, hidden_size: int = 64,
-                      vocab_size: int = 512, heads: int = 4, kv_heads: int = 2,
+                      vocab_size: int = 512, heads: int = 2, kv_heads: int = 1,
                       intermediate_size: int = 128, tie_word_embeddings: bool = False,
                       seed: int = 0) -> Path:
+    # head_dim = hidden_size // heads = 32: vLLM's CPU attention needs 32, 64, 80, ...
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,0 +1,319 @@
+"""Evaluation: the greedy-speculation replay (exact counts) and real vLLM runs on a tiny target."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3flow.evaluate import (acceptance_summary, compare_outputs, evaluate,
+                                 replay_greedy_speculation)
+from eagle3flow.vllm_runner import render_prompts, run_vllm
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+# ----------------------------------------------------------------------------- replay
+
+def chains_from(rows: dict[int, list[int]], total: int, k: int, fill: int = -1) -> torch.Tensor:
+    """A ``[total, k]`` chain tensor, ``fill`` everywhere except the given rows."""
+    chains = torch.full((total, k), fill, dtype=torch.long)
+    for t, guesses in rows.items():
+        chains[t] = torch.tensor(guesses)
+    return chains
+
+
+def test_replay_none_accepted():
+    ids = [5, 6, 7, 10, 11, 12, 13]          # prompt 3 tokens, output 4 (10 from prefill)
+    res = replay_greedy_speculation(chains_from({}, 7, 3), ids, prompt_len=3)
+    # Each round the target adds one token: 11, 12, 13 -> three rounds, nothing accepted.
+    assert res == {"rounds": 3, "accepted": 0, "accepted_per_pos": [0, 0, 0], "per_round": [0, 0, 0]}
+
+
+def test_replay_all_accepted():
+    ids = [5, 6, 10, 11, 12, 13, 14, 15, 16, 17]   # prompt 2, output 8
+    # Round 1 at p=1 proposes indices 3,4,5; then p = 1+3+1 = 5 proposes 7,8,9.
+    chains = chains_from({1: [11, 12, 13], 5: [15, 16, 17]}, len(ids), 3)
+    res = replay_greedy_speculation(chains, ids, prompt_len=2)
+    assert res["per_round"] == [3, 3]
+    assert res["rounds"] == 2 and res["accepted"] == 6 and res["accepted_per_pos"] == [2, 2, 2]
+    s = acceptance_summary(res["rounds"], res["accepted"], res["accepted_per_pos"])
+    assert s["acceptance_length"] == 4.0 and s["acceptance_rate_per_position"] == [1.0, 1.0, 1.0]
+
+
+def test_replay_partial_and_mid_round_end():
+    ids = [1, 2, 3, 20, 21, 22, 23, 24, 25]        # prompt 3, output 6 (indices 3..8)
+    chains = chains_from({
+        2: [21, 99, 23],     # p=2: accept 21 (idx 4), reject at idx 5 -> n=1, p=4
+        4: [22, 23, 24],     # p=4: proposes idx 6,7,8 = 23,24,25? no: 22 != 23 -> n=0, p=5
+        5: [24, 25, 26],     # p=5: idx 7,8 match, idx 9 is past the end -> n=2, p=8: done
+    }, len(ids), 3)
+    res = replay_greedy_speculation(chains, ids, prompt_len=3)
+    assert res["per_round"] == [1, 0, 2]
+    assert res["accepted_per_pos"] == [2, 1, 0]
+    # Tokens produced: 1 (prefill) + sum(n+1 per round) = 1 + 2 + 1 + 3 = 7 >= 6 outputs:
+    # the last round's bonus token falls past the end, like vLLM at max_tokens.
+    assert res["rounds"] == 3 and res["accepted"] == 3
+
+
+def test_replay_ends_exactly_on_bonus_token():
+    ids = [1, 2, 10, 11, 12]       # prompt 2, output 3
+    chains = chains_from({1: [11, 0, 0], 3: [9, 9, 9]}, len(ids), 3)
+    res = replay_greedy_speculation(chains, ids, prompt_len=2)
+    # p=1: accept 11 (idx 3), reject idx 4 -> bonus 12 is the last token: done.
+    assert res["per_round"] == [1]
+
+
+def test_replay_short_outputs_have_no_rounds():
+    # One output token comes from prefill alone: nothing is ever verified.
+    assert replay_greedy_speculation(torch.zeros(4, 2, dtype=torch.long), [1, 2, 3, 4], 3)["rounds"] == 0
+    assert replay_greedy_speculation(torch.zeros(3, 2, dtype=torch.long), [1, 2, 3], 3)["rounds"] == 0
+    # Two output tokens: exactly one round; a correct guess for idx 4 cannot be accepted past the end.
+    res = replay_greedy_speculation(chains_from({2: [8, 9]}, 5, 2), [1, 2, 3, 7, 8], 3)
+    assert res["per_round"] == [1]
+
+
+def test_replay_accepts_only_leading_prefix():
+    ids = [1, 10, 11, 12, 13, 14]
+    # Steps 0 wrong, steps 1 and 2 right: a later match after a miss is never accepted.
+    chains = chains_from({0: [0, 12, 13]}, len(ids), 3)
+    assert replay_greedy_speculation(chains, ids, 1)["per_round"][0] == 0
+
+
+def test_replay_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="rows"):
+        replay_greedy_speculation(torch.zeros(3, 2, dtype=torch.long), [1, 2, 3, 4], 2)
+    with pytest.raises(ValueError, match="prompt_len"):
+        replay_greedy_speculation(torch.zeros(3, 2, dtype=torch.long), [1, 2, 3], 0)
+
+
+def test_compare_outputs_lists_mismatches():
+    base = [{"id": "a", "output_token_ids": [1, 2, 3]}, {"id": "b", "output_token_ids": [4, 5]},
+            {"id": "c", "output_token_ids": [6]}]
+    spec = [{"id": "a", "output_token_ids": [1, 2, 3]}, {"id": "b", "output_token_ids": [4, 9]},
+            {"id": "c", "output_token_ids": [6, 7]}]
+    res = compare_outputs(base, spec)
+    assert not res["passed"] and res["mismatched_ids"] == ["b", "c"]
+    assert res["first_divergence"] == {"b": 1, "c": 1}
+    assert compare_outputs(base, base)["passed"]
+
+
+# ----------------------------------------------------------------------------- tiny target
+
+def make_chat_target(out_dir: Path) -> Path:
+    """A random Llama vLLM's CPU attention accepts (head_dim 32) with a byte-level BPE
+    tokenizer and a chat template, all built offline."""
+    from helpers import make_random_llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    make_random_llama(out_dir, heads=2, kv_heads=1)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, show_progress=False,
+        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(100)]
+    tok.train_from_iterator(corpus * 2 + ["hello world, how are you today?"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+    return out_dir
+
+
+def write_eval_prompts(path: Path, n: int) -> Path:
+    words = ["fox", "dog", "hello", "quick", "lazy", "world", "brown", "today"]
+    with open(path, "w") as f:
+        for i in range(n):
+            messages = [{"role": "user", "content": " ".join(words[(i + j) % 8] for j in range(3 + i % 4))}]
+            if i % 2:
+                messages.insert(0, {"role": "system", "content": "be brief"})
+            f.write(json.dumps({"id": f"p{i}", "messages": messages}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    return make_chat_target(tmp_path_factory.mktemp("chat_target"))
+
+
+def test_render_prompts_uses_chat_template(chat_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 5)
+    prompts = render_prompts(path, chat_target, num_prompts=3)
+    assert [p["id"] for p in prompts] == ["p0", "p1", "p2"]
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    assistant = tok.convert_tokens_to_ids("<|assistant|>")
+    for p in prompts:
+        assert p["prompt_token_ids"][-1] == assistant          # add_generation_prompt=True
+    assert tok.decode(prompts[1]["prompt_token_ids"]).startswith("<|system|>be brief</s><|user|>")
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "messages": []}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1"):
+        render_prompts(bad, chat_target)
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+def export_random_draft(target: Path, out_dir: Path, draft_tokens: list[int] | None = None,
+                        seed: int = 0, std: float = 0.1) -> Path:
+    """A random draft for ``target``, saved as training saves it, exported by export.py.
+
+    ``draft_tokens``: the target ids of a reduced draft vocab; None = the full vocab. A
+    reduced vocab of the tokens the target emits most makes a random draft that is right
+    often enough to test acceptance, while which of them it picks still depends on every
+    hidden state it is fed.
+    """
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+    from eagle3flow.export import export_draft
+    from eagle3flow.layers import default_aux_layer_ids
+    from eagle3flow.target_weights import load_target_config
+    from eagle3flow.vocab import vocab_maps
+
+    config = load_target_config(target)
+    vocab = int(config["vocab_size"])
+    tokens = np.array(sorted(set(draft_tokens)) if draft_tokens else range(vocab), dtype=np.int64)
+    d2t, t2d = vocab_maps(tokens, vocab)
+    cfg = DraftConfig.from_target_config(config, default_aux_layer_ids(config["num_hidden_layers"]),
+                                         len(tokens))
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    model.reset_parameters(std=std)
+    with torch.no_grad():
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+    train_dir = out_dir.parent / f"{out_dir.name}_train"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()},
+              str(train_dir / "draft.safetensors"))
+    (train_dir / "draft_config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file({"d2t": d2t, "t2d": t2d}, str(train_dir / "vocab_map.safetensors"))
+    return export_draft(train_dir, train_dir / "vocab_map.safetensors", target, out_dir)
+
+
+def hf_greedy(target: Path, prompts: list[dict], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    outputs = []
+    for p in prompts:
+        ids = torch.tensor([p["prompt_token_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=0)
+        outputs.append(out[0, ids.shape[1]:].tolist())
+    return outputs
+
+
+@pytest.mark.slow
+def test_vllm_runner_subprocess_greedy(chat_target, tmp_path):
+    """A real vLLM engine in a child process: greedy ids match HF's greedy decoding."""
+    path = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 3)
+    prompts = render_prompts(path, chat_target)
+    request = {"target": str(chat_target), "prompts": prompts, "max_tokens": 12,
+               "max_model_len": 128, "dtype": "float32", "device": "cpu"}
+    t0 = time.monotonic()
+    result = run_vllm(request, tmp_path / "run.json", log_path=tmp_path / "run.log")
+    print(f"vLLM baseline run: {time.monotonic() - t0:.1f}s")
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    assert result["spec_decode"] is None
+    assert [o["id"] for o in result["outputs"]] == ["p0", "p1", "p2"]
+    assert result["num_output_tokens"] == sum(len(o["output_token_ids"]) for o in result["outputs"])
+    assert result["output_tokens_per_s"] > 0
+
+    for p, o, hf_out in zip(prompts, result["outputs"], hf_greedy(chat_target, prompts, 12)):
+        assert o["prompt_len"] == len(p["prompt_token_ids"])
+        assert o["output_token_ids"] == hf_out, p["id"]
+
+
+def test_vllm_runner_bad_request_fails_clearly(tmp_path):
+    with pytest.raises(RuntimeError, match="vLLM run failed"):
+        run_vllm({"target": str(tmp_path / "missing"), "prompts": []}, tmp_path / "r.json",
+                 log_path=tmp_path / "r.log")
+    assert "missing" in (tmp_path / "r.log").read_text()
+
+
+def write_eval_split(path: Path, prompts: list[dict], outputs: list[list[int]]) -> Path:
+    """A tokenized eval split (docs/formats.md): prompt + greedy answer, loss on the answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = [p["prompt_token_ids"] + o for p, o in zip(prompts, outputs)]
+    masks = [[0] * len(p["prompt_token_ids"]) + [1] * len(o) for p, o in zip(prompts, outputs)]
+    pq.write_table(pa.table({
+        "id": pa.array([p["id"] for p in prompts], pa.string()),
+        "input_ids": pa.array(ids, pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(x) for x in ids], pa.int32())}), path)
+    return path
+
+
+@pytest.mark.slow
+def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
+    """Both vLLM engines, the replay and the eval split on a random draft whose reduced
+    vocab (the target's 4 most frequent greedy tokens) makes it right part of the time:
+    greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly."""
+    from collections import Counter
+
+    from eagle3flow.hidden_states import extract
+    from eagle3flow.evaluate import main
+
+    num_prompts, max_tokens, k = 6, 24, 3
+    prompts_file = write_eval_prompts(tmp_path / "eval_prompts.jsonl", num_prompts)
+    prompts = render_prompts(prompts_file, chat_target)
+    outputs = hf_greedy(chat_target, prompts, max_tokens)
+    frequent = [t for t, _ in Counter(t for o in outputs for t in o).most_common(4)]
+    draft = export_random_draft(chat_target, tmp_path / "draft", draft_tokens=frequent)
+    aux_ids = json.loads((draft / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    manifest = tmp_path / "hidden_states" / "manifest.json"
+    extract(write_eval_split(tmp_path / "eval.parquet", prompts, outputs), chat_target, manifest,
+            tmp_path / "cache", aux_layer_ids=aux_ids, device="cpu", split_name="eval")
+
+    out = tmp_path / "eval" / "summary.json"
+    t0 = time.monotonic()
+    summary = evaluate(draft, chat_target, prompts_file, manifest, out, num_speculative_tokens=k,
+                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu")
+    print(f"evaluate end to end: {time.monotonic() - t0:.1f}s")
+    assert json.loads(out.read_text())["agreement"] == summary["agreement"]
+
+    vllm, sim = summary["vllm"], summary["simulated"]
+    assert summary["lossless"]["passed"], summary["lossless"]
+    assert summary["settings"]["num_speculative_tokens"] == k
+    assert summary["settings"]["vllm_version"] and summary["settings"]["aux_layer_ids"] == aux_ids
+    assert vllm["num_draft_tokens"] == k * vllm["num_drafts"]
+    assert vllm["acceptance_length"] > 1.1, vllm          # the draft is right some of the time
+    assert len(vllm["acceptance_rate_per_position"]) == k
+    # vLLM's aggregate counters equal the sum of its per-request counts.
+    per_prompt = summary["per_prompt"]
+    assert sum(p["vllm_accepted"] for p in per_prompt) == vllm["num_accepted_tokens"]
+    assert sum(p["vllm_rounds"] for p in per_prompt) == vllm["num_drafts"]
+    # The replay sees what vLLM did, round by round (vLLM's last round may also count
+    # drafts accepted past max_tokens, which the replay cannot see).
+    assert summary["round_agreement"]["prompts_rounds_equal_but_last"] == num_prompts
+    assert summary["agreement_ok"] and abs(summary["agreement"] - 1) <= 0.15
+    assert sim["num_output_tokens"] == sum(len(o) for o in outputs)
+    split = summary["eval_split"]
+    assert len(split["step_accuracy"]) == k and set(split["simulated_acceptance_length"]) == {"1", "2", "3"}
+
+    # A rerun through the CLI reuses both vLLM runs and every replayed prompt.
+    capsys.readouterr()
+    t0 = time.monotonic()
+    main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
+          "--eval-manifest", str(manifest), "--out", str(out), "--num-speculative-tokens", str(k),
+          "--max-tokens", str(max_tokens), "--num-prompts", str(num_prompts), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
+    assert json.loads(out.read_text())["vllm"] == vllm
+    assert time.monotonic() - t0 < 60
