@@ -1,0 +1,537 @@
+"""The EAGLE-3 draft head and its training-time-test (TTT) forward.
+
+The module computes exactly what vLLM's ``LlamaForCausalLMEagle3``
+(vllm/model_executor/models/llama_eagle3.py, one decoder layer, the default
+``norm_before_residual=False``) computes at serving time::
+
+    h_in    = fc(aux)                      step 0: from the target's aux states [A*Ht]
+            | h_out of the previous step   step j > 0
+    e       = embed_tokens(token)          the target's embeddings, frozen
+    x       = cat[input_layernorm(e), hidden_norm(h_in)]            [2H]
+    r       = h_in + o_proj(attn(q/k/v_proj(x), rope(position)))     residual = un-normed h_in
+    h_out   = r + mlp(post_attention_layernorm(r))                   fed to the next step
+    logits  = lm_head(norm(h_out))                                   [Vd], target id = d + d2t[d]
+
+TTT semantics (the serving loop, teacher-forced). A sample has target aux states
+``aux[t]``, tokens ``x[t]``, teacher final states ``last[t]`` and loss mask ``m[t]``,
+``t = 0..T-1``. Chain row ``t``, step ``j = 0..K-1``:
+
+* input hidden: ``fc(aux[t])`` at step 0, else the row's own step ``j-1`` ``h_out``;
+* input token ``x[t+j+1]``, rotary position ``t+j``;
+* it predicts token index ``t+j+2``: teacher = softmax over the draft vocab of
+  ``lm_head_target(last[t+j+1])[t2d]``, weight ``m[t+j+2]``; rows with
+  ``t+j+2 >= T`` are invalid;
+* attention: keys/values of step 0 at rows ``0..t`` (positions ``0..t``, causal) plus
+  the keys/values of steps ``1..j`` of row ``t`` itself (positions ``t+1..t+j``) —
+  vLLM's draft KV cache: verified positions hold step-0 entries (recomputed from the
+  target's states after each verification), the speculative tail holds the chain's.
+
+The attention is computed without a ``T x (K*T)`` mask: causal attention against
+the step-0 K/V (with its logsumexp) plus ``j`` per-row diagonal scores, combined by
+one joint softmax through logsumexp. GQA is supported.
+
+Batch layout: samples packed back to back, ``[N]`` rows with ``cu_seqlens [B+1]``
+(sample ``b`` = rows ``cu[b]:cu[b+1]``, positions restart at 0 per sample), the
+same layout as the hidden-state shards. Attention runs on a padded ``[B, Tmax]``
+view of the packed rows; every other op runs on the packed rows.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EXPORTED_PARAM_NAMES = (
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "fc.weight", "norm.weight", "lm_head.weight",
+)
+
+
+# ---------------------------------------------------------------------------- config
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    rope_scaling: dict | None = None
+    hidden_act: str = "silu"
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.hidden_size != self.target_hidden_size:
+            # vLLM shares the target's embed_tokens with the draft only when the widths
+            # match, and the draft's input embeddings must have the draft's width.
+            raise ValueError(f"draft hidden_size {self.hidden_size} must equal the target's "
+                             f"hidden size {self.target_hidden_size} (vLLM shares the target's "
+                             f"embeddings with the draft)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: only 'silu' is supported")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} not in 1..{self.vocab_size}")
+        self.aux_layer_ids = [int(k) for k in self.aux_layer_ids]
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @classmethod
+    def from_target_config(cls, target_config: dict, aux_layer_ids: list[int],
+                           draft_vocab_size: int, overrides: dict | None = None) -> "DraftConfig":
+        """Derive the draft's shape from a Llama / Qwen3 / DeepSeek-V3 style HF config dict.
+
+        Attention width and FFN follow the target (DeepSeek-V3's MLA has no plain
+        ``head_dim``: use ``hidden_size // heads``); ``overrides`` replaces any field
+        (e.g. ``{"intermediate_size": 1024}``), except ``hidden_size``, tied to the target.
+        """
+        cfg = dict(target_config.get("text_config") or target_config)
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        is_mla = "kv_lora_rank" in cfg or str(cfg.get("model_type", "")).startswith("deepseek")
+        head_dim = hidden // heads if is_mla else int(cfg.get("head_dim") or hidden // heads)
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling")
+        if legacy and not rope:
+            rope = dict(legacy)
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope.pop("rope_theta", None)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope_scaling = rope if rope and rope.get("rope_type", "default") != "default" else None
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or target_config.get("torch_dtype") \
+            or target_config.get("dtype") or "bfloat16"
+        values = dict(
+            hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            vocab_size=int(cfg["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=list(aux_layer_ids), torch_dtype=str(dtype).replace("torch.", ""))
+        for key, value in (overrides or {}).items():
+            if key not in values and key != "hidden_act":
+                raise ValueError(f"draft config override {key!r} is not a draft config field "
+                                 f"(known: {sorted(values)})")
+            if key == "hidden_size" and int(value) != hidden:
+                raise ValueError(f"draft hidden_size override {value} != target hidden size "
+                                 f"{hidden}: vLLM needs them equal")
+            values[key] = value
+        return cls(**values)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "DraftConfig":
+        """Inverse of :meth:`to_hf_config` (an exported draft's config.json)."""
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope.pop("rope_theta", None)
+        scaling = rope if rope and rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        return cls(hidden_size=hf["hidden_size"], target_hidden_size=hf.get("target_hidden_size", hf["hidden_size"]),
+                   num_attention_heads=hf["num_attention_heads"],
+                   num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                   head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                   intermediate_size=hf["intermediate_size"], rms_norm_eps=hf["rms_norm_eps"],
+                   rope_theta=theta, rope_scaling=scaling,
+                   max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+                   draft_vocab_size=hf.get("draft_vocab_size", hf["vocab_size"]),
+                   aux_layer_ids=hf["eagle_aux_hidden_state_layer_ids"],
+                   hidden_act=hf.get("hidden_act", "silu"), torch_dtype=hf.get("torch_dtype", "bfloat16"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        return cls(**d)
+
+    def rope_parameters(self) -> dict:
+        """transformers-5 style ``rope_parameters`` (what vLLM's get_rope reads)."""
+        params = {"rope_type": "default"}
+        if self.rope_scaling:
+            params.update(self.rope_scaling)
+        params["rope_theta"] = self.rope_theta
+        return params
+
+    def to_hf_config(self) -> dict:
+        """The exported ``config.json``: a 1-layer Llama that vLLM/SGLang load as EAGLE-3."""
+        from eagle3flow.layers import to_layer_outputs
+
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "target_hidden_size": self.target_hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": self.rope_parameters(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.torch_dtype,
+            # This project's convention == vLLM's top-level key (id k = input of layer k).
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+        }
+        if self.rope_scaling:
+            config["rope_scaling"] = dict(self.rope_scaling)
+        if min(self.aux_layer_ids) >= 1:
+            # SGLang reads eagle_config's ids as "output of layer i" (it captures i+1);
+            # vLLM prefers the top-level key above and uses eagle_config only for the count.
+            config["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": to_layer_outputs(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            }
+        return config
+
+
+# ---------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(dtype) * self.weight.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim/2]`` and the cos/sin scale, as transformers/vLLM derive them."""
+    params = cfg.rope_parameters()
+    if params.get("rope_type", "default") == "default":
+        d = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return inv, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(**{k: v for k, v in cfg.to_hf_config().items()
+                        if k not in ("architectures", "rope_scaling", "rope_theta")})
+    inv, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary. ``x [N, heads, d]``, ``cos/sin [N, 1, d]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class PackedLayout:
+    """Where packed rows ``[N]`` live in the padded ``[B, Tmax]`` view, and their positions."""
+    cu_seqlens: torch.Tensor    # int64 [B+1]
+    positions: torch.Tensor     # int64 [N], position within the sample
+    lengths: torch.Tensor       # int64 [N], the length of the row's sample
+    batch_index: torch.Tensor   # int64 [N]
+    max_len: int
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device=None) -> "PackedLayout":
+        cu = cu_seqlens.to(torch.int64).cpu()
+        lengths = cu[1:] - cu[:-1]
+        if (lengths <= 0).any():
+            raise ValueError(f"cu_seqlens {cu.tolist()} has an empty sample")
+        batch_index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        positions = torch.arange(int(cu[-1])) - cu[:-1][batch_index]
+        dev = device or cu_seqlens.device
+        return cls(cu.to(dev), positions.to(dev), lengths[batch_index].to(dev),
+                   batch_index.to(dev), int(lengths.max()))
+
+    @property
+    def num_samples(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def valid(self, step: int) -> torch.Tensor:
+        """Bool ``[N]``: rows whose step-``step`` prediction (index ``t+step+2``) exists."""
+        return self.positions + step + 2 < self.lengths
+
+    @property
+    def flat_index(self) -> torch.Tensor:
+        """``[N]`` row of each packed row in the flattened ``[B*Tmax]`` padded view."""
+        return self.batch_index * self.max_len + self.positions
+
+    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, ...]`` -> ``[B, Tmax, ...]`` (zeros in the padding)."""
+        rest = tuple(x.shape[1:])
+        out = x.new_zeros((self.num_samples * self.max_len,) + rest).index_copy(0, self.flat_index, x)
+        return out.view((self.num_samples, self.max_len) + rest)
+
+    def from_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Tmax, ...]`` -> ``[N, ...]``."""
+        return x.reshape((-1,) + tuple(x.shape[2:])).index_select(0, self.flat_index)
+
+
+class StepZeroCache:
+    """The step-0 keys/values of every row, padded ``[B, heads, Tmax, d]`` once for all steps."""
+
+    def __init__(self, k0: torch.Tensor, v0: torch.Tensor, layout: PackedLayout, num_heads: int):
+        self.layout, self.num_heads = layout, num_heads
+        self.num_kv_heads = k0.shape[1]
+        self.k = layout.to_padded(k0).transpose(1, 2)           # [B, kvh, T, d]
+        self.v = layout.to_padded(v0).transpose(1, 2)
+        groups = num_heads // self.num_kv_heads
+        self.k_full = _repeat_kv(self.k, groups, 1)               # [B, h, T, d]
+        self.v_full = _repeat_kv(self.v, groups, 1)
+        t = layout.max_len
+        causal = torch.ones(t, t, dtype=torch.bool, device=k0.device).tril()
+        self.bias = torch.zeros(t, t, device=k0.device).masked_fill(~causal, float("-inf"))
+
+    def attend(self, q: torch.Tensor, scale: float, need_lse: bool):
+        """Causal attention of ``q [N, h, d]`` against the cache: ``out [N, h, d]`` and
+        (if ``need_lse``) its logsumexp ``lse [N, h]`` float32, differentiable."""
+        layout = self.layout
+        qp = layout.to_padded(q).transpose(1, 2)                 # [B, h, T, d]
+        if not need_lse:
+            out = F.scaled_dot_product_attention(qp, self.k, self.v, is_causal=True, scale=scale,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+            return layout.from_padded(out.transpose(1, 2)), None
+        b, h, t, d = qp.shape
+        # one fused op: bias + (scale*q) @ k^T, scores [B*h, T, T] in float32
+        scores = torch.baddbmm(self.bias, (qp * scale).reshape(b * h, t, d).float(),
+                               self.k_full.reshape(b * h, t, d).transpose(1, 2).float())
+        lse = torch.logsumexp(scores, dim=-1).view(b, h, t)
+        probs = torch.softmax(scores, dim=-1).to(qp.dtype)
+        out = torch.bmm(probs, self.v_full.reshape(b * h, t, d)).view(b, h, t, d)
+        return layout.from_padded(out.transpose(1, 2)), layout.from_padded(lse.transpose(1, 2))
+
+
+def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+# ---------------------------------------------------------------------------- model
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft head; parameter names are the exported names (plus ``embed_tokens``)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)     # the target's, frozen, not exported
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name != "embed_tokens.weight":
+                nn.init.normal_(p, std=std)
+
+    # -- pieces shared by the training forward and the serving-style reference
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin ``[N, 1, d]`` for positions ``[N]`` (computed in float32 like vLLM's cache)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scale).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """The midlayer up to attention. ``embeds/hidden [N, H]`` -> rotated ``q [N,h,d]``,
+        ``k, v [N,kvh,d]``."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+        cos, sin = self.rope(positions, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[N, h*d]`` + residual ``hidden`` -> the step's pre-norm ``h_out``."""
+        layer = self.midlayer
+        residual = hidden + layer.self_attn.o_proj(attn_out)
+        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h_out))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- training-time test
+
+    def forward_ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                    num_steps: int, layout: PackedLayout | None = None,
+                    step_tokens: list[torch.Tensor] | None = None):
+        """Teacher-forced TTT over packed samples (see the module docstring).
+
+        ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``. Returns
+        ``(logits, hiddens)``: ``num_steps`` tensors ``[N, Vd]`` and ``[N, H]``; row ``r``
+        of step ``j`` predicts packed row ``r+j+2`` (valid where ``layout.valid(j)``).
+        ``step_tokens`` (optional) overrides the input token of step ``j`` with
+        ``step_tokens[j] [N]`` (used to feed the draft's own predictions).
+        """
+        layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
+        n = input_ids.shape[0]
+        attn = self.midlayer.self_attn
+        scale = attn.head_dim ** -0.5
+        groups = attn.num_heads // attn.num_kv_heads
+        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        rows = torch.arange(n, device=input_ids.device)
+        cache = None
+        tail_k, tail_v = [], []          # per-row diagonal K/V of steps 1..j
+        all_logits, all_hidden = [], []
+        for j in range(num_steps):
+            if step_tokens is not None and j < len(step_tokens) and step_tokens[j] is not None:
+                tokens = step_tokens[j]
+            else:
+                # x[t+j+1]; out-of-sample rows are invalid for this and later steps
+                src = rows + j + 1
+                ok = layout.positions + j + 1 < layout.lengths
+                tokens = torch.where(ok, input_ids[src.clamp(max=n - 1)], torch.zeros_like(input_ids))
+            embeds = self.embed_tokens(tokens)
+            q, k, v = self.qkv(embeds, hidden, layout.positions + j)
+            if j == 0:
+                cache = StepZeroCache(k, v, layout, attn.num_heads)
+                out, _ = cache.attend(q, scale, need_lse=False)
+            else:
+                tail_k.append(k)
+                tail_v.append(v)
+                out_c, lse_c = cache.attend(q, scale, need_lse=True)
+                kk = _repeat_kv(torch.stack(tail_k, 0), groups, 2)        # [j, N, h, d]
+                vv = _repeat_kv(torch.stack(tail_v, 0), groups, 2)
+                s = (q.unsqueeze(0) * kk).sum(-1).float() * scale          # [j, N, h]
+                lse = torch.logsumexp(torch.cat([lse_c.unsqueeze(0), s], 0), dim=0)
+                w_c = torch.exp(lse_c - lse).unsqueeze(-1).to(q.dtype)     # [N, h, 1]
+                w_t = torch.exp(s - lse.unsqueeze(0)).unsqueeze(-1).to(q.dtype)
+                out = w_c * out_c + (w_t * vv).sum(0)
+            hidden = self.finish(hidden, out.reshape(n, -1))
+            all_hidden.append(hidden)
+            all_logits.append(self.logits(hidden))
+        return all_logits, all_hidden
+
+    @torch.no_grad()
+    def predict_chains(self, aux: torch.Tensor, input_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Greedy draft chains of one sample as served: ``aux [T, A*Ht]``, ``input_ids [T]``
+        -> LongTensor ``[T, K]`` of TARGET ids; ``[t, j]`` is the draft's guess for index
+        ``t+j+2`` given the verified prefix ``x[0..t+1]``. Step ``j>0`` is fed the draft's
+        own step ``j-1`` guess, as vLLM does (identical to teacher forcing while the
+        chain is correct, so leading-match counts are the served acceptance)."""
+        device = self.fc.weight.device
+        aux, input_ids = aux.to(device), input_ids.to(device).long()
+        cu = torch.tensor([0, input_ids.numel()], device=device)
+        layout = PackedLayout.from_cu_seqlens(cu, device)
+        step_tokens: list[torch.Tensor | None] = [None]
+        preds = []
+        for j in range(num_steps):
+            # Recomputing the prefix each step keeps one code path; chains are short.
+            logits, _ = self.forward_ttt(aux, input_ids, cu, j + 1, layout, step_tokens)
+            target_ids = self.draft_to_target(logits[j].argmax(-1))
+            preds.append(target_ids)
+            step_tokens.append(target_ids)
+        return torch.stack(preds, 1)
+
+    # -- I/O
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exported tensors by their exported names (no embed_tokens)."""
+        state = {name: p.detach() for name, p in self.named_parameters() if name != "embed_tokens.weight"}
+        state["d2t"], state["t2d"] = self.d2t, self.t2d
+        return state
+
+    @classmethod
+    def from_exported(cls, draft_dir: str | Path, target_path: str | Path,
+                      dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Draft":
+        """Load an exported draft dir; embeddings come from the target (vLLM shares them)."""
+        from safetensors.torch import load_file
+
+        from eagle3flow.target_weights import load_target_head
+
+        draft_dir = Path(draft_dir)
+        with open(draft_dir / "config.json") as f:
+            hf = json.load(f)
+        cfg = DraftConfig.from_hf_config(hf)
+        model = cls(cfg)
+        weights = load_file(str(draft_dir / "model.safetensors"))
+        if "d2t" not in weights:   # same vocab: identity map
+            weights["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+            weights["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        weights["embed_tokens.weight"] = load_target_head(target_path, parts=("embed_tokens",))["embed_tokens"]
+        missing, unexpected = model.load_state_dict(
+            {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in weights.items()},
+            strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{draft_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
+        return model.to(device=device, dtype=dtype)

@@ -1,0 +1,101 @@
+"""The few target tensors the draft needs, read by name: embeddings, final norm, lm_head.
+
+Never loads the whole target: with a sharded checkpoint only the shards named for
+these tensors in ``model.safetensors.index.json`` are opened, and only those
+tensors are read. Handles tied embeddings (no lm_head -> the embeddings) and the
+name prefixes of plain (``model.embed_tokens.weight``) and multimodal
+(``model.language_model.*``, ``language_model.model.*``) checkpoints.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+PREFIXES = ("model.", "model.language_model.", "language_model.model.", "language_model.", "")
+CANDIDATES = {
+    "embed_tokens": [p + "embed_tokens.weight" for p in PREFIXES],
+    "norm": [p + "norm.weight" for p in PREFIXES],
+    "lm_head": ["lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight",
+                "model.language_model.lm_head.weight"],
+}
+
+
+def load_target_config(path: str | Path) -> dict:
+    """The target's text config dict (``text_config`` when nested, e.g. multimodal models)."""
+    path = Path(path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the target has no config.json")
+    with open(path) as f:
+        config = json.load(f)
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        merged = dict(text)
+        # Keys only the outer config carries (dtype, tying) still apply to the text model.
+        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+            if key not in merged and key in config:
+                merged[key] = config[key]
+        return merged
+    return config
+
+
+def tensor_locations(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (reads headers only)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no model.safetensors.index.json and no *.safetensors files")
+    locations = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            locations.update({name: file for name in f.keys()})
+    return locations
+
+
+def _find(locations: dict[str, Path], part: str) -> str | None:
+    for name in CANDIDATES[part]:
+        if name in locations:
+            return name
+    return None
+
+
+def load_target_head(path: str | Path, parts=("embed_tokens", "norm", "lm_head"),
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``{"embed_tokens": [Vt, H], "norm": [H], "lm_head": [Vt, H]}`` (the requested parts).
+
+    ``lm_head`` falls back to the embeddings when the checkpoint has none (tied).
+    """
+    path = Path(path)
+    locations = tensor_locations(path)
+    config = load_target_config(path)
+    names = {}
+    for part in parts:
+        name = _find(locations, part)
+        if name is None and part == "lm_head":
+            name = _find(locations, "embed_tokens")
+            if name is not None and config.get("tie_word_embeddings") is False:
+                raise ValueError(f"{path}: config says tie_word_embeddings=false but no lm_head "
+                                 f"tensor found (looked for {CANDIDATES['lm_head']})")
+        if name is None:
+            raise KeyError(f"{path}: no tensor for {part} (looked for {CANDIDATES[part]})")
+        names[part] = name
+    out = {}
+    for part, name in names.items():
+        with safe_open(str(locations[name]), "pt") as f:
+            tensor = f.get_tensor(name)
+        out[part] = tensor.to(dtype) if dtype is not None else tensor
+    return out
+
+
+def target_dtype(path: str | Path) -> str:
+    """The target's stored floating dtype name, from its config (``float32``, ``bfloat16``...)."""
+    config = load_target_config(path)
+    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return str(name).replace("torch.", "")

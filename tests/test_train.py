@@ -1,0 +1,178 @@
+"""Training: it learns, it writes the declared outputs, and a killed run resumes bitwise."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3flow import shards
+from eagle3flow.train import evaluate_split, load_trained, resolve_train_config, train
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int = 0,
+                       aux_layer_ids=(2, 4, 5), samples_per_shard: int = 8) -> Path:
+    """Greedy continuations of random prompts by the target, captured like extraction does.
+
+    Loss mask is 0 on the 4-token prompt, 1 on the continuation.
+    """
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    entries, buf = [], {k: [] for k in ("ids", "input_ids", "loss_mask", "aux", "last")}
+    prompts = torch.randint(3, vocab, (num_samples, 4), generator=g)
+    lengths = torch.randint(16, 48, (num_samples,), generator=g).tolist()
+    with torch.no_grad():      # one batched greedy generation, cut to each sample's length
+        full = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=44,
+                              min_new_tokens=44, do_sample=False, pad_token_id=0)
+    for i in range(num_samples):
+        ids = full[i, :lengths[i]]
+        with torch.no_grad():
+            outs = model(ids[None], output_hidden_states=True)
+        hs = outs.hidden_states
+        buf["ids"].append(f"s{i}")
+        buf["input_ids"].append(ids)
+        buf["loss_mask"].append((torch.arange(ids.numel()) >= 4).to(torch.uint8))
+        buf["aux"].append(torch.cat([hs[k][0] for k in aux_layer_ids], -1))
+        buf["last"].append(hs[-1][0])
+        if len(buf["ids"]) == samples_per_shard or i == num_samples - 1:
+            entries.append(shards.write_shard(out / "shards" / shards.shard_name(len(entries)), buf["ids"],
+                                              buf["input_ids"], buf["loss_mask"], buf["aux"], buf["last"]))
+            buf = {k: [] for k in buf}
+    # hidden_states[-1] must be the final-norm output (teacher logits = lm_head(last))
+    torch.testing.assert_close(model.lm_head(hs[-1]), outs.logits, rtol=1e-4, atol=1e-4)
+    manifest = {"format": shards.FORMAT, "shards": entries, "shard_dir": str(out / "shards"),
+                "aux_layer_ids": list(aux_layer_ids), "hidden_size": model.config.hidden_size,
+                "dtype": "float32", "num_layers": model.config.num_hidden_layers,
+                "target_path": str(target), "num_samples": num_samples,
+                "num_tokens": sum(e["num_tokens"] for e in entries)}
+    shards.atomic_write_json(out / "manifest.json", manifest)
+    return out / "manifest.json"
+
+
+def make_vocab_map(manifest: Path, vocab_size: int, draft_vocab: int, out: Path) -> Path:
+    """The most frequent tokens of the data, then the lowest ids, sorted by target id."""
+    counts = torch.zeros(vocab_size)
+    for s in shards.load_manifest(manifest).iter_samples():
+        counts += torch.bincount(s["input_ids"].long(), minlength=vocab_size)
+    order = torch.argsort(counts + torch.linspace(1e-3, 0, vocab_size), descending=True)
+    kept = order[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    save_file({"d2t": kept - torch.arange(draft_vocab), "t2d": t2d}, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_inputs(random_llama_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_inputs")
+    train_m = make_hidden_states(random_llama_target, root / "hs_train", 24, seed=0)
+    eval_m = make_hidden_states(random_llama_target, root / "hs_eval", 6, seed=1)
+    vmap = make_vocab_map(train_m, 512, 200, root / "vocab_map.safetensors")
+    return {"train": train_m, "eval": eval_m, "vocab": vmap, "target": random_llama_target}
+
+
+CONFIG = {"ttt_steps": 3, "epochs": 8, "batch_tokens": 256, "lr": 5e-3, "warmup_ratio": 0.1,
+          "log_every": 1, "checkpoint_every": 3, "keep_checkpoints": 2, "device": "cpu"}
+
+
+def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
+    out = tmp_path / "train"
+    result = train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"],
+                   train_inputs["target"], out, tmp_path / "cache", CONFIG)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and result["steps"] == len(rows)
+    first, last = rows[0], rows[-1]
+    assert set(first) >= {"step", "epoch", "loss", "step_acc", "lr", "tokens_per_s"}
+    assert len(first["step_acc"]) == 3
+    # the random target's teacher is near-uniform: its entropy (~5.3) dominates the loss
+    assert sum(r["loss"] for r in rows[-4:]) < sum(r["loss"] for r in rows[:4]) - 0.02
+    assert last["step_acc"][0] > first["step_acc"][0] + 0.2
+    weights = load_file(str(out / "draft.safetensors"))
+    assert "embed_tokens.weight" not in weights and weights["d2t"].numel() == 200
+    assert json.loads((out / "draft_config.json").read_text())["draft_vocab_size"] == 200
+    ev = json.loads((out / "eval.json").read_text())
+    assert len(ev["step_accuracy"]) == 3 and set(ev["simulated_acceptance_length"]) == {"1", "2", "3"}
+    # K=1 chains are scored on exactly step 0's rows
+    assert ev["simulated_acceptance_length"]["1"] == pytest.approx(1 + ev["step_accuracy"][0])
+    assert ev["simulated_acceptance_length"]["3"] >= 1.3      # it learned something
+    # the trained draft reloads and evaluates the same; an untrained one is worse
+    model = load_trained(out, train_inputs["target"])
+    again = evaluate_split(model, train_inputs["eval"], 3)
+    assert again["step_accuracy"] == pytest.approx(ev["step_accuracy"])
+    # checkpoints: only the last two kept, the final one among them
+    run_dirs = list((tmp_path / "cache").iterdir())
+    steps = sorted(p.name for p in run_dirs[0].glob("step-*"))
+    assert len(steps) == 2 and steps[-1] == f"step-{len(rows):08d}"
+    # a rerun after completion does not train again and rewrites the same outputs
+    t0 = time.monotonic()
+    train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"],
+          train_inputs["target"], out, tmp_path / "cache", CONFIG)
+    assert [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] == rows
+
+
+def run_cli(inputs, out, cache, env_extra=None, wait=True):
+    cmd = [PY, "-m", "eagle3flow.train", "--train-manifest", str(inputs["train"]),
+           "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
+           "--out-dir", str(out), "--cache-root", str(cache),
+           "--config-json", json.dumps({**CONFIG, "epochs": 4, "checkpoint_every": 2})]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    if wait:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        return output
+    return proc
+
+
+def losses(out: Path):
+    return [(r["step"], r["loss"], r["step_loss"], r["step_acc"])
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_killed_run_resumes_bitwise(train_inputs, tmp_path):
+    run_cli(train_inputs, tmp_path / "ref_out", tmp_path / "ref_cache")
+    reference = losses(tmp_path / "ref_out")
+    assert len(reference) >= 8
+
+    proc = run_cli(train_inputs, tmp_path / "out", tmp_path / "cache",
+                   {"EAGLE3FLOW_TEST_STEP_DELAY": "0.3"}, wait=False)
+    deadline = time.monotonic() + 120
+    try:
+        while not any(int(p.name[5:]) >= 4 for p in (tmp_path / "cache").glob("*/step-*")):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.4)                     # die mid-way between checkpoints
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    partial = losses(tmp_path / "out")
+    assert 4 <= len(partial) < len(reference)
+    output = run_cli(train_inputs, tmp_path / "out", tmp_path / "cache")
+    assert "resuming from" in output
+    assert losses(tmp_path / "out") == reference
+
+
+def test_bad_inputs_are_named(train_inputs, tmp_path):
+    with pytest.raises(ValueError, match="unknown keys \\['lr_typo'\\]"):
+        resolve_train_config({"lr_typo": 1})
+    bad = tmp_path / "bad_vocab.safetensors"
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:10] = True
+    save_file({"d2t": torch.zeros(12, dtype=torch.int64), "t2d": t2d}, str(bad))
+    with pytest.raises(ValueError, match="bad_vocab.safetensors: d2t and t2d disagree"):
+        train(train_inputs["train"], None, bad, train_inputs["target"], tmp_path / "o", tmp_path / "c", CONFIG)
