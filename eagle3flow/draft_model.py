@@ -434,7 +434,7 @@ class Eagle3Draft(nn.Module):
 
     def forward_ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                     num_steps: int, layout: PackedLayout | None = None,
-                    step_tokens: list[torch.Tensor] | None = None):
+                    step_tokens: list[torch.Tensor] | None = None, compute_logits: bool = True):
         """Teacher-forced TTT over packed samples (see the module docstring).
 
         ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``. Returns
@@ -442,6 +442,8 @@ class Eagle3Draft(nn.Module):
         of step ``j`` predicts packed row ``r+j+2`` (valid where ``layout.valid(j)``).
         ``step_tokens`` (optional) overrides the input token of step ``j`` with
         ``step_tokens[j] [N]`` (used to feed the draft's own predictions).
+        With ``compute_logits=False`` the logits list is empty: training computes them
+        only on the rows it scores, a third of the lm_head's work on chat data.
         """
         layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
         n = input_ids.shape[0]
@@ -479,7 +481,8 @@ class Eagle3Draft(nn.Module):
                 out = w_c * out_c + (w_t * vv).sum(0)
             hidden = self.finish(hidden, out.reshape(n, -1))
             all_hidden.append(hidden)
-            all_logits.append(self.logits(hidden))
+            if compute_logits:
+                all_logits.append(self.logits(hidden))
         return all_logits, all_hidden
 
     @torch.no_grad()

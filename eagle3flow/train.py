@@ -194,18 +194,43 @@ def epoch_order(data: ShardData, seed: int, epoch: int, shuffle: bool = True) ->
     return order
 
 
-def plan_batches(data: ShardData, order: list[tuple[int, int]], batch_tokens: int) -> list[list[tuple[int, int]]]:
-    """Greedy packing in order: a batch holds at most ``batch_tokens`` (or one longer sample)."""
-    batches, current, size = [], [], 0
+def plan_batches(data: ShardData, order: list[tuple[int, int]], batch_tokens: int,
+                 seed: str | None = None, window_batches: int = 32) -> list[list[tuple[int, int]]]:
+    """Length-grouped packing: a batch holds at most ``batch_tokens`` (or one longer sample).
+
+    Attention runs on a padded ``[B, Tmax]`` view, so mixing a 500-token sample with
+    thirty 40-token ones costs 8x the work. Consecutive windows of about
+    ``window_batches`` batches of the (shuffled) order are sorted by length before
+    packing, and the batches of a window are shuffled again with ``seed``. Windows
+    follow the order, so batches still read shards one after another.
+    """
+    batches: list[list[tuple[int, int]]] = []
+    window, window_tokens = [], 0
+
+    def flush():
+        current, size = [], 0
+        planned = []
+        for s, i in sorted(window, key=lambda si: data.lengths[si[0]][si[1]]):
+            n = data.lengths[s][i]
+            if current and size + n > batch_tokens:
+                planned.append(current)
+                current, size = [], 0
+            current.append((s, i))
+            size += n
+        if current:
+            planned.append(current)
+        if seed is not None:
+            random.Random(f"{seed}-window-{len(batches)}").shuffle(planned)
+        batches.extend(planned)
+
     for s, i in order:
-        n = data.lengths[s][i]
-        if current and size + n > batch_tokens:
-            batches.append(current)
-            current, size = [], 0
-        current.append((s, i))
-        size += n
-    if current:
-        batches.append(current)
+        window.append((s, i))
+        window_tokens += data.lengths[s][i]
+        if window_tokens >= window_batches * batch_tokens:
+            flush()
+            window, window_tokens = [], 0
+    if window:
+        flush()
     return batches
 
 
@@ -242,16 +267,18 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], batch["input_ids"].device)
     probs, argmax = teacher_targets(batch["last"], teacher_head)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        logits, _ = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
-                                      num_steps, layout)
-    total = logits[0].new_zeros((), dtype=torch.float32)
+        _, hiddens = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
+                                       num_steps, layout, compute_logits=False)
+    total = hiddens[0].new_zeros((), dtype=torch.float32)
     stats = []
     for j in range(num_steps):
         rows = step_rows(layout, batch["loss_mask"], j)
         if rows.numel() == 0:
             stats.append((0.0, 0.0, 0))
             continue
-        logp = F.log_softmax(logits[j][rows].float(), dim=-1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits_j = model.logits(hiddens[j][rows])
+        logp = F.log_softmax(logits_j.float(), dim=-1)
         target = rows + j + 1          # teacher for index t+j+2 is last[t+j+1]
         loss_j = -(probs[target] * logp).sum(-1).mean()
         total = total + (decay ** j) * loss_j
@@ -324,10 +351,16 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
 
 # ---------------------------------------------------------------------------- checkpoints
 
+# Bumped whenever the batch plan or the loss changes, so no run resumes from a
+# checkpoint whose data position means something else.
+TRAINER_VERSION = 2
+
+
 def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: str | Path, config: dict) -> str:
     target_path = Path(target_path)
     files = sorted({p.name for p in tensor_locations(target_path).values()})
     key = {
+        "trainer_version": TRAINER_VERSION,
         "train_shards": [s["sha256"] for s in train_manifest.data["shards"]],
         "aux_layer_ids": train_manifest.aux_layer_ids,
         "vocab_map": sha256_file(vocab_map),
@@ -441,7 +474,8 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
     def plan(epoch: int):
         if epoch not in epoch_plans:
             epoch_plans.clear()
-            epoch_plans[epoch] = plan_batches(data, epoch_order(data, cfg["seed"], epoch), cfg["batch_tokens"])
+            epoch_plans[epoch] = plan_batches(data, epoch_order(data, cfg["seed"], epoch),
+                                              cfg["batch_tokens"], seed=f"{cfg['seed']}-epoch-{epoch}")
         return epoch_plans[epoch]
 
     steps_per_epoch = [len(plan(e)) for e in range(cfg["epochs"])]

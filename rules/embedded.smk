@@ -2,6 +2,7 @@ rule build_embedded_target:
     output:
         target=directory(f"{EMBEDDED_DIR}/target"),
         conversations=f"{EMBEDDED_DIR}/conversations.jsonl",
+        stats=f"{EMBEDDED_DIR}/build_stats.json",
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.conversations),
         steps=config["embedded"]["train_steps"],
