@@ -1,6 +1,12 @@
 import json
 import os
 
+from eagle3flow.stale_lock import clear_stale_lock
+
+# A rerun after a kill continues instead of asking for --unlock (see stale_lock.py).
+if workflow.is_main_process:
+    clear_stale_lock(os.getcwd())
+
 RESULTS = config["paths"]["results"]
 CACHE = config["paths"]["cache"]
 LOGS = config["paths"]["logs"]
