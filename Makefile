@@ -11,7 +11,8 @@ demo: setup
 	snakemake --profile embedded
 
 test: setup
-	pytest -v -rs tests
+	bash scripts/install_test_deps.sh
+	pytest -v -rs --durations=15 tests
 
 lint: setup
 	snakemake --lint

@@ -15,6 +15,7 @@ validate(config, "schemas/config.schema.yaml")
 
 
 include: "rules/common.smk"
+include: "rules/drain_helpers.smk"
 include: "rules/embedded.smk"
 include: "rules/dataset.smk"
 include: "rules/hidden_states.smk"
@@ -22,14 +23,33 @@ include: "rules/vocab.smk"
 include: "rules/train.smk"
 include: "rules/export.smk"
 include: "rules/evaluate.smk"
+include: "rules/report.smk"
+
+
+report: "report/workflow.rst"
+include: "rules/drain.smk"
 
 
 rule all:
     input:
         DRAFT_FILES,
         f"{RESULTS}/eval/summary.json",
+        rules.build_report.output,
     default_target: True
 
 
+onstart:
+    if DRAIN["enabled"]:
+        write_drain_plan()
+
+
 onsuccess:
+    restore_service("the workflow finished")
     print_summary(f"{RESULTS}/eval/summary.json", f"{RESULTS}/draft")
+    print_downtime()
+
+
+# Not reached on SIGKILL: the drain's watchdog restores the unit then.
+onerror:
+    restore_service("the workflow failed")
+    print_downtime()

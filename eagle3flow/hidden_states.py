@@ -42,6 +42,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # Seconds to sleep after each written shard; lets tests kill a run between shards.
 SHARD_DELAY_ENV = "EAGLE3FLOW_TEST_SHARD_DELAY"
 LOADING_LINE = "loading target"
+# Written beside the manifest: one line per computed shard (split, fingerprint, shard,
+# num_tokens, compute_s, finished_at unix time).
+THROUGHPUT_FILE = "throughput.jsonl"
 
 
 # ----------------------------------------------------------------------------- capture
@@ -308,6 +311,15 @@ def _compute_shard(model, rows: list[dict], aux_layer_ids, device, batch_tokens,
     return aux_out, last_out
 
 
+def _record_throughput(path: Path, split_name: str, key: str, plan: ShardPlan,
+                       compute_s: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"split": split_name, "fingerprint": key, "shard": plan.index,
+                            "num_tokens": plan.num_tokens, "compute_s": compute_s,
+                            "finished_at": time.time()}) + "\n")
+
+
 def _write_shard(path: Path, rows: list[dict], aux, last) -> dict:
     entry = shards.write_shard(
         path, [r["id"] for r in rows],
@@ -395,6 +407,8 @@ def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
             if delay:
                 time.sleep(delay)
 
+    # Per computed shard, for the report's throughput plot; survives kills and resumes.
+    throughput_file = Path(manifest_out).parent / THROUGHPUT_FILE
     plan_iter = iter(plan)
     current = next(plan_iter)
     rows: list[dict] = []
@@ -414,8 +428,11 @@ def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
                 progress.done -= entries.pop(current.index)["num_tokens"]
             if current.index not in entries:
                 progress.extra = f"shard {current.index + 1}/{len(plan)}"
+                t0 = time.monotonic()
                 aux, last = _compute_shard(loaded_model(), rows, aux_layer_ids, torch_device,
                                            batch_tokens, progress)
+                _record_throughput(throughput_file, split_name, key, current,
+                                   time.monotonic() - t0)
                 finish_pending()
                 pending = current.index, writer.submit(_write_shard, path, rows, aux, last)
             rows = []

@@ -8,6 +8,9 @@ Python (a CUDA build of vLLM in its own venv) through ``--python``.
 Request JSON (written by :func:`run_vllm`, read by :func:`main`)::
 
     {"target": DIR, "prompts": [{"id": str, "prompt_token_ids": [int, ...]}, ...],
+     "sets": null | [{"name": str, "prompts": [...as above...],
+                      "conversations": [{"id": str, "messages": [...], "turns": [str, ...]}]}],
+     "chat_template_kwargs": {},
      "speculative_config": null | {"method": "eagle3", "model": DRAFT_DIR,
                                    "num_speculative_tokens": K},
      "max_tokens": 64, "max_model_len": 2048, "dtype": "auto", "device": "auto",
@@ -18,11 +21,22 @@ Result JSON::
 
     {"vllm_version", "device", "dtype", "speculative_config", "load_time_s", "wall_time_s",
      "num_output_tokens", "output_tokens_per_s",
-     "outputs": [{"id", "prompt_len", "output_token_ids", "finish_reason",
+     "outputs": [{"id", "prompt_len", "prompt_token_ids", "output_token_ids", "finish_reason",
+                  "conversation", "turn",
                   "spec_decode": null | {"histogram", "num_draft_tokens",
                                          "per_step_accepted", "per_step_drafted"}}],
      "spec_decode": null | {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                            "num_accepted_tokens_per_pos": [K ints]}}
+                            "num_accepted_tokens_per_pos": [K ints]},
+     "sets": [{"name", "wall_time_s", "num_output_tokens", "output_tokens_per_s",
+               "outputs": [...], "spec_decode": ...}]}
+
+Prompt sets (``sets``; without it ``prompts`` is one set named ``default``) run one
+after the other in the same engine, each timed on its own. A set's ``prompts`` are
+single generations; its ``conversations`` are answered turn by turn (MT-bench): turn
+``t``'s prompt is ``messages`` + the user turns so far with this engine's own greedy
+answers in between, rendered here with the target's chat template; their outputs are
+named ``<id>#<turn>`` (turn from 1). Top-level ``outputs``/timings/counters are the
+totals over all sets.
 
 Greedy decoding (temperature 0). Prompts are token ids rendered by the caller, so
 every engine sees exactly the same input. This module imports only the standard
@@ -56,6 +70,8 @@ REQUEST_DEFAULTS = {
     "gpu_memory_utilization": 0.85,
     "ignore_eos": False,
     "seed": 0,
+    "sets": None,
+    "chat_template_kwargs": {},
 }
 
 
@@ -172,13 +188,16 @@ def _request_metrics(completion) -> dict | None:
 def generate(request: dict) -> dict:
     """Load one engine, generate greedily for every prompt, return the result dict."""
     request = {**REQUEST_DEFAULTS, **request}
-    for field in ("target", "prompts"):
+    for field in ("target",):
         if field not in request:
             raise ValueError(f"vLLM request: missing field {field!r}")
     if not (Path(request["target"]) / "config.json").is_file():
         raise FileNotFoundError(f"vLLM request: target {request['target']} has no config.json")
-    if not request["prompts"]:
+    if not request.get("prompts") and not request.get("sets"):
         raise ValueError("vLLM request: no prompts")
+    for prompt_set in request.get("sets") or []:
+        if not prompt_set.get("prompts") and not prompt_set.get("conversations"):
+            raise ValueError(f"vLLM request: set {prompt_set.get('name')!r} has no prompts")
     device = request["device"]
     if device == "cpu" or device == "auto":
         # Must be set before vLLM is imported; 1 GiB of KV cache is plenty for eval.
@@ -224,24 +243,41 @@ def generate(request: dict) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]),
                             ignore_eos=bool(request["ignore_eos"]))
-    prompts = [{"prompt_token_ids": list(p["prompt_token_ids"])} for p in request["prompts"]]
+    sets = request["sets"] or [{"name": "default", "prompts": request["prompts"]}]
+    first = next(([{"prompt_token_ids": list(p["prompt_token_ids"])}] for s in sets
+                  for p in (s.get("prompts") or [])[:1]), None)
+    tokenizer = None
+    if any(s.get("conversations") for s in sets):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(request["target"]))
+        if first is None:
+            conv = next(c for s in sets for c in s.get("conversations") or [])
+            first = [{"prompt_token_ids": _render_turn(tokenizer, _turn_messages(conv, 0, []),
+                                                       request["chat_template_kwargs"])}]
     # Warm-up outside the timed run (first-call allocations, lazy kernel init); its
     # spec-decode counts are subtracted below.
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    llm.generate(first, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    before = _spec_decode_counters(llm.get_metrics()) if spec else None
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    from eagle3flow.progress import Progress
+    progress = Progress("vllm[" + ("eagle3" if spec else "baseline") + "]",
+                        total=sum(_num_generations(s) for s in sets), unit="generations")
+    set_results = []
+    for prompt_set in sets:
+        progress.extra = f"set {prompt_set['name']}"
+        set_results.append(_generate_set(llm, prompt_set, params, spec, tokenizer,
+                                         request, progress))
+    progress.close()
 
-    outputs = []
-    for p, r in zip(request["prompts"], results):
-        c = r.outputs[0]
-        outputs.append({"id": p["id"], "prompt_len": len(p["prompt_token_ids"]),
-                        "output_token_ids": [int(t) for t in c.token_ids],
-                        "finish_reason": c.finish_reason,
-                        "spec_decode": _request_metrics(c) if spec else None})
-    num_out = sum(len(o["output_token_ids"]) for o in outputs)
+    outputs = [o for r in set_results for o in r["outputs"]]
+    wall = sum(r["wall_time_s"] for r in set_results)
+    num_out = sum(r["num_output_tokens"] for r in set_results)
+    totals = None
+    if spec:
+        totals = {k: sum(r["spec_decode"][k] for r in set_results) for k in SPEC_COUNTERS.values()}
+        width = max(len(r["spec_decode"]["num_accepted_tokens_per_pos"]) for r in set_results)
+        totals["num_accepted_tokens_per_pos"] = [
+            sum((r["spec_decode"]["num_accepted_tokens_per_pos"] + [0] * width)[j]
+                for r in set_results) for j in range(width)]
     return {
         "vllm_version": vllm.__version__,
         "device": device,
@@ -252,9 +288,88 @@ def generate(request: dict) -> dict:
         "num_output_tokens": num_out,
         "output_tokens_per_s": num_out / wall if wall > 0 else None,
         "outputs": outputs,
-        "spec_decode": _counter_delta(_spec_decode_counters(llm.get_metrics()), before)
-                       if spec else None,
+        "spec_decode": totals,
+        "sets": set_results,
     }
+
+
+def _num_generations(prompt_set: dict) -> int:
+    return (len(prompt_set.get("prompts") or [])
+            + sum(len(c["turns"]) for c in prompt_set.get("conversations") or []))
+
+
+def _turn_messages(conversation: dict, turn: int, answers: list[str]) -> list[dict]:
+    """The messages before turn ``turn``'s answer: the conversation's own leading
+    messages, then each user turn followed by its greedy answer."""
+    messages = list(conversation.get("messages") or [])
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": conversation["turns"][t]})
+        if t < turn:
+            messages.append({"role": "assistant", "content": answers[t]})
+    return messages
+
+
+def _render_turn(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, **(template_kwargs or {}))
+    return [int(t) for t in encoded["input_ids"]]
+
+
+def _generate_set(llm, prompt_set: dict, params, spec, tokenizer, request: dict,
+                  progress) -> dict:
+    """Generate one prompt set: its single prompts in one batch, then its conversations
+    one turn at a time (every conversation's turn t in one batch)."""
+    max_len = int(request["max_model_len"])
+    before = _spec_decode_counters(llm.get_metrics()) if spec else None
+    wall = 0.0
+    outputs = []
+
+    def run(items):
+        nonlocal wall
+        for item in items:
+            if len(item["prompt_token_ids"]) + int(request["max_tokens"]) > max_len:
+                raise ValueError(f"set {prompt_set['name']}, prompt {item['id']}: "
+                                 f"{len(item['prompt_token_ids'])} tokens + max_tokens "
+                                 f"{request['max_tokens']} > max_model_len {max_len}")
+        t0 = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": list(i["prompt_token_ids"])} for i in items],
+                               params, use_tqdm=False)
+        wall += time.perf_counter() - t0
+        done = []
+        for item, r in zip(items, results):
+            c = r.outputs[0]
+            done.append({**{k: v for k, v in item.items() if k != "prompt_token_ids"},
+                         "prompt_len": len(item["prompt_token_ids"]),
+                         "prompt_token_ids": list(item["prompt_token_ids"]),
+                         "output_token_ids": [int(t) for t in c.token_ids],
+                         "finish_reason": c.finish_reason,
+                         "spec_decode": _request_metrics(c) if spec else None})
+        progress.update(len(items))
+        return done
+
+    prompts = prompt_set.get("prompts") or []
+    if prompts:
+        outputs += run([{"id": p["id"], "prompt_token_ids": p["prompt_token_ids"]}
+                        for p in prompts])
+    conversations = prompt_set.get("conversations") or []
+    answers: dict[str, list[str]] = {c["id"]: [] for c in conversations}
+    for turn in range(max((len(c["turns"]) for c in conversations), default=0)):
+        active = [c for c in conversations if turn < len(c["turns"])]
+        items = [{"id": f"{c['id']}#{turn + 1}", "conversation": c["id"], "turn": turn + 1,
+                  "prompt_token_ids": _render_turn(tokenizer,
+                                                   _turn_messages(c, turn, answers[c["id"]]),
+                                                   request["chat_template_kwargs"])}
+                 for c in active]
+        done = run(items)
+        for c, o in zip(active, done):
+            answers[c["id"]].append(tokenizer.decode(o["output_token_ids"],
+                                                     skip_special_tokens=True))
+        outputs += done
+    num_out = sum(len(o["output_token_ids"]) for o in outputs)
+    return {"name": prompt_set["name"], "wall_time_s": wall, "num_output_tokens": num_out,
+            "output_tokens_per_s": num_out / wall if wall > 0 else None, "outputs": outputs,
+            "spec_decode": _counter_delta(_spec_decode_counters(llm.get_metrics()), before)
+                           if spec else None}
 
 
 def main(argv=None) -> None:

@@ -1,10 +1,16 @@
 # Checkpoints live in the cache (undeclared): a killed run resumes from the last.
+TRAIN_INPUTS = dict(
+    train=f"{RESULTS}/hidden_states/train/manifest.json",
+    eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+    vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+    target=target_input(),
+)
+
+
 rule train_draft:
     input:
-        train=f"{RESULTS}/hidden_states/train/manifest.json",
-        eval=f"{RESULTS}/hidden_states/eval/manifest.json",
-        vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
-        target=target_input(),
+        **TRAIN_INPUTS,
+        drained=drain_flag("train_draft"),
     output:
         weights=f"{RESULTS}/train/draft.safetensors",
         draft_config=f"{RESULTS}/train/draft_config.json",
@@ -14,6 +20,7 @@ rule train_draft:
         out_dir=lambda wildcards, output: os.path.dirname(output.weights),
         cache=f"{CACHE}/train",
         cfg=json_arg("train"),
+        gpu_prelude=gpu_stage_prelude("train_draft", f"{LOGS}/train_draft.log"),
     resources:
         gpus=GPUS,
     log:
@@ -23,6 +30,7 @@ rule train_draft:
     conda:
         "../envs/train.yaml"
     shell:
+        "{params.gpu_prelude}"
         "python -m eagle3flow.train --train-manifest {input.train} --eval-manifest {input.eval}"
         " --vocab-map {input.vocab_map} --target {input.target:q} --out-dir {params.out_dir}"
         " --cache-root {params.cache} --config-json {params.cfg} 2>&1 | tee {log}"

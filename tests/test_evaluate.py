@@ -317,3 +317,130 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
     assert json.loads(out.read_text())["vllm"] == vllm
     assert time.monotonic() - t0 < 60
+
+
+# ----------------------------------------------------------------------------- prompt sets, drafts
+
+def test_load_prompt_set_reads_mt_bench_and_messages(chat_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle3flow.evaluate import load_prompt_set
+
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(
+        json.dumps({"question_id": 7, "category": "math", "turns": ["one plus one?", "and two?"]}) + "\n"
+        + json.dumps({"id": "m1", "messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    s = load_prompt_set("mine", mixed, tok)
+    assert [c["id"] for c in s["conversations"]] == ["7"] and s["conversations"][0]["turns"][1] == "and two?"
+    assert [p["id"] for p in s["prompts"]] == ["m1"]
+    assert s["category_of"] == {"7": "math", "m1": "mine"}   # no category: the set's name
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 \(id 1\): 'turns'"):
+        load_prompt_set("bad", bad, tok)
+    bad.write_text(json.dumps({"turns": ["x"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: need an 'id'"):
+        load_prompt_set("bad", bad, tok)
+
+
+def mt_bench_chat_target(out_dir: Path, questions: Path) -> Path:
+    """A random Llama with a 2048-token BPE tokenizer trained on the MT-bench questions
+    themselves (about 4 characters a token, so prompts stay short and the test cheap)
+    and room for the longest question plus a second turn."""
+    from helpers import make_random_llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    make_random_llama(out_dir, vocab_size=2048, heads=2, kv_heads=1)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (out_dir / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, show_progress=False,
+        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [t for line in questions.read_text().splitlines() if line.strip()
+             for t in json.loads(line)["turns"]]
+    tok.train_from_iterator(texts + ["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.mark.slow
+def test_mt_bench_and_two_drafts_side_by_side(tmp_path):
+    """All 80 MT-bench questions, answered turn by turn in vLLM, with two drafts on the
+    same prompts in one run: one row per category, both drafts in one table."""
+    from conftest import SHARED
+    from transformers import AutoTokenizer
+
+    from eagle3flow.report import evaluation_html
+
+    questions = SHARED / "data" / "mt_bench" / "question.jsonl"
+    rows = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
+    categories = {r["category"] for r in rows}
+    target = mt_bench_chat_target(tmp_path / "target", questions)
+    eval_prompts = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 2)
+    prompts = render_prompts(eval_prompts, target)
+    # A reduced draft vocab of the tokens the target emits most (as in the test above).
+    from collections import Counter
+    from transformers import AutoTokenizer as _Tok
+    _tok = _Tok.from_pretrained(str(target))
+    probe = prompts + [{"id": str(r["question_id"]), "prompt_token_ids": _tok.apply_chat_template(
+        [{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]} for r in rows[::10]]
+    frequent = [t for t, _ in Counter(t for o in hf_greedy(target, probe, 6) for t in o).most_common(4)]
+    draft_a = export_random_draft(target, tmp_path / "draft_a", draft_tokens=frequent, seed=0)
+    draft_b = export_random_draft(target, tmp_path / "draft_b", draft_tokens=frequent, seed=1)
+
+    t0 = time.monotonic()
+    summary = evaluate(draft_a, target, eval_prompts, None, tmp_path / "eval" / "summary.json",
+                       num_speculative_tokens=2, max_tokens=6, num_prompts=2, device="cpu",
+                       draft_name="new", prompt_sets={"mt_bench": str(questions)},
+                       compare_drafts={"mine": str(draft_b)}, replay_max_k=3)
+    print(f"MT-bench x 2 drafts: {time.monotonic() - t0:.1f}s")
+
+    mt = summary["prompt_sets"]["mt_bench"]
+    assert mt["num_prompts"] == 80 and mt["multi_turn"]
+    assert mt["num_generations"] == sum(len(r["turns"]) for r in rows)
+    for draft in ("new", "mine"):
+        r = summary["results"]["mt_bench"][draft]
+        assert set(r["per_category"]) == categories
+        assert sum(c["generations"] for c in r["per_category"].values()) == mt["num_generations"]
+        # Per-category counts add up to vLLM's own counters for the set.
+        assert sum(c["vllm_accepted"] for c in r["per_category"].values()) == r["vllm"]["num_accepted_tokens"]
+        assert r["lossless"]["passed"], r["lossless"]
+        assert set(r["acceptance_length_vs_k"]) == {"1", "2", "3"}
+        # The replay sees vLLM's rounds; over 160 generations a random draft's near-tie
+        # argmax may flip between HF and vLLM kernels in one or two of them.
+        agree = r["round_agreement"]
+        assert agree["prompts_compared"] == mt["num_generations"]
+        assert agree["prompts_rounds_equal_but_last"] >= 0.95 * mt["num_generations"], agree
+    # Each draft was served by its own engine, on the same baseline.
+    for draft, run in (("new", "vllm_eagle3"), ("mine", "vllm_eagle3_mine")):
+        served = json.loads((tmp_path / "eval" / f"{run}.json").read_text())["speculative_config"]
+        assert Path(served["model"]) == Path(summary["drafts"][draft]).resolve()
+    assert summary["results"]["mt_bench"]["new"]["vllm"]["num_accepted_tokens"] > 0
+
+    # Turn 2's prompt holds turn 1's greedy answer.
+    baseline = json.loads((tmp_path / "eval" / "vllm_baseline.json").read_text())
+    outputs = {o["id"]: o for s in baseline["sets"] if s["name"] == "mt_bench" for o in s["outputs"]}
+    tok = AutoTokenizer.from_pretrained(str(target))
+    first, second = outputs["81#1"], outputs["81#2"]
+    answer = tok.decode(first["output_token_ids"], skip_special_tokens=True)
+    assert first["prompt_token_ids"] == second["prompt_token_ids"][:len(first["prompt_token_ids"])]
+    assert f"<|assistant|>{answer}</s><|user|>{rows[0]['turns'][1]}" in tok.decode(second["prompt_token_ids"])
+
+    page = evaluation_html(summary)
+    drafts_table = page.split('id="drafts"')[1].split("</table>")[0]
+    for set_name in ("eval", "mt_bench"):
+        for draft in ("new", "mine"):
+            assert f'data-set="{set_name}" data-draft="{draft}"' in drafts_table
+    mt_table = page.split('id="categories-mt_bench"')[1].split("</table>")[0]
+    assert mt_table.count("<tr data-category=") == len(categories)
+    assert "new: accepted tokens" in mt_table and "mine: accepted tokens" in mt_table

@@ -2,6 +2,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from eagle3flow.stale_lock import clear_stale_lock, live_snakemake_pids
@@ -14,6 +15,18 @@ def make_lock(workdir):
     return locks
 
 
+def standin(cwd):
+    """A live process whose command line says snakemake, once it has started."""
+    ready = cwd / ".standin-ready"
+    code = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready), "snakemake-standin"], cwd=cwd)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "stand-in did not start"
+        time.sleep(0.05)
+    return proc
+
+
 def test_stale_lock_is_cleared(tmp_path):
     locks = make_lock(tmp_path)
     assert clear_stale_lock(tmp_path) is True
@@ -24,11 +37,8 @@ def test_stale_lock_is_cleared(tmp_path):
 def test_lock_of_a_live_snakemake_is_kept(tmp_path):
     locks = make_lock(tmp_path)
     # A real process whose command line says snakemake, running in the workdir.
-    proc = subprocess.Popen(["bash", "-c", "exec -a snakemake-standin sleep 60"], cwd=tmp_path)
+    proc = standin(tmp_path)
     try:
-        deadline = time.monotonic() + 10
-        while proc.pid not in live_snakemake_pids(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert proc.pid in live_snakemake_pids(tmp_path)
         assert clear_stale_lock(tmp_path) is False
         assert locks.exists()
@@ -41,7 +51,7 @@ def test_lock_of_a_live_snakemake_is_kept(tmp_path):
 def test_other_directories_do_not_count(tmp_path):
     make_lock(tmp_path / "a")
     (tmp_path / "b").mkdir()
-    proc = subprocess.Popen(["bash", "-c", "exec -a snakemake-standin sleep 60"], cwd=tmp_path / "b")
+    proc = standin(tmp_path / "b")
     try:
         assert clear_stale_lock(tmp_path / "a") is True
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs"]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
 BIN = Path(sys.executable).parent
 
 
@@ -86,7 +86,7 @@ def test_local_8gpu_gives_gpu_stages_all_gpus(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     blocks = result.stdout.split("\nrule ")
     gpu_rules = {b.split(":")[0]: b for b in blocks if "gpus=8" in b}
-    assert set(gpu_rules) == {"extract_hidden_states", "train_draft"}, list(gpu_rules)
+    assert set(gpu_rules) == {"extract_hidden_states", "train_draft", "evaluate_draft"}, list(gpu_rules)
 
 
 def test_lint_is_clean():
@@ -136,3 +136,7 @@ def test_embedded_default_end_to_end_with_kills(tmp_path):
     # 4. A finished workflow reruns nothing.
     result = snakemake(workdir, "--profile", "embedded", "-n", timeout=300)
     assert "Nothing to be done" in result.stdout + result.stderr, result.stdout
+
+    # 5. The report: one self-contained HTML with every figure, rendered in Chromium.
+    from report_checks import check_embedded_report
+    check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env())

@@ -1,0 +1,23 @@
+# One drain job per GPU stage that has to run (rules/drain_helpers.smk says how).
+rule drain_service:
+    input:
+        unpack(drained_stage_inputs),
+    output:
+        flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.flag"),
+    params:
+        settings=json_arg("drain"),
+        state_dir=lambda wildcards, output: os.path.dirname(output.flag),
+        gpus=GPUS,
+    wildcard_constraints:
+        stage="|".join(DRAINED_STAGES),
+    localrule: True
+    log:
+        f"{LOGS}/drain_service_{{stage}}.log",
+    benchmark:
+        f"{BENCHMARKS}/drain_service_{{stage}}.tsv"
+    conda:
+        "../envs/service.yaml"
+    shell:
+        "python -m eagle3flow.service drain --stage {wildcards.stage} --gpus {params.gpus}"
+        " --settings-json {params.settings} --state-dir {params.state_dir} --flag {output.flag}"
+        " 2>&1 | tee {log}"

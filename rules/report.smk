@@ -1,0 +1,82 @@
+# Figures and tables of the whole run, marked for `snakemake --report report.html`
+# (captions in report/). Service downtime is shown when the drain stage left a record.
+DOWNTIME = f"{RESULTS}/service/downtime.json"
+REPORT_DIR = f"{RESULTS}/report"
+
+
+rule build_report:
+    input:
+        eval_summary=f"{RESULTS}/eval/summary.json",
+        metrics=f"{RESULTS}/train/metrics.jsonl",
+        train_eval=f"{RESULTS}/train/eval.json",
+        vocab_stats=f"{RESULTS}/vocab/stats.json",
+        dataset_stats=f"{RESULTS}/dataset/stats.json",
+        manifests=[
+            f"{RESULTS}/hidden_states/train/manifest.json",
+            f"{RESULTS}/hidden_states/eval/manifest.json",
+        ],
+        # The drain stage's record when a service was drained; without it the report
+        # says "no service drained".
+        downtime=lambda wildcards: [DOWNTIME] if os.path.exists(DOWNTIME) else [],
+    output:
+        training=report(
+            f"{REPORT_DIR}/training.png",
+            caption="../report/training.rst",
+            category="Training",
+        ),
+        throughput=report(
+            f"{REPORT_DIR}/throughput.png",
+            caption="../report/throughput.rst",
+            category="Training",
+        ),
+        vocab=report(
+            f"{REPORT_DIR}/vocab_coverage.png",
+            caption="../report/vocab_coverage.rst",
+            category="Training",
+        ),
+        per_position=report(
+            f"{REPORT_DIR}/acceptance_per_position.png",
+            caption="../report/acceptance_per_position.rst",
+            category="Evaluation",
+        ),
+        vs_k=report(
+            f"{REPORT_DIR}/acceptance_vs_k.png",
+            caption="../report/acceptance_vs_k.rst",
+            category="Evaluation",
+        ),
+        tables=report(
+            f"{REPORT_DIR}/evaluation.html",
+            caption="../report/evaluation.rst",
+            category="Evaluation",
+        ),
+        run=report(
+            f"{REPORT_DIR}/run.html",
+            caption="../report/run.rst",
+            category="Run",
+        ),
+        summary=report(
+            f"{REPORT_DIR}/report.json",
+            caption="../report/report_json.rst",
+            category="Run",
+        ),
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output.training),
+        downtime=lambda wildcards, input: (
+            f"--downtime {input.downtime[0]}" if input.downtime else ""
+        ),
+        manifests=lambda wildcards, input: " ".join(
+            f"--manifest {m}" for m in input.manifests
+        ),
+        cfg=json_arg_of(config),
+    log:
+        f"{LOGS}/build_report.log",
+    benchmark:
+        f"{BENCHMARKS}/build_report.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.report --out-dir {params.out_dir}"
+        " --eval-summary {input.eval_summary} --train-metrics {input.metrics}"
+        " --train-eval {input.train_eval} --vocab-stats {input.vocab_stats}"
+        " --dataset-stats {input.dataset_stats} {params.manifests} {params.downtime}"
+        " --config-json {params.cfg} 2>&1 | tee {log}"
