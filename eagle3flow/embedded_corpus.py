@@ -21,6 +21,8 @@ import re
 import warnings
 from pathlib import Path
 
+from eagle3flow.jsonl import iter_jsonl
+
 # Pure-Python or always-built modules present on every CPython >= 3.10 on Linux/macOS.
 # Modules deprecated for removal (PEP 594), platform-only ones and ones with import
 # side effects (antigravity, this, turtle) are left out so the list stays portable.
@@ -274,15 +276,8 @@ def build_corpus(out_path: Path, max_conversations: int | None = 4000) -> dict:
 def read_conversations(path: Path) -> list[dict]:
     """Read a conversations JSONL, failing with the file and line on bad rows."""
     conversations = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                conv = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
-            if not isinstance(conv.get("messages"), list) or "id" not in conv:
-                raise ValueError(f"{path}:{line_no}: needs fields 'id' and 'messages' (a list)")
-            conversations.append(conv)
+    for where, conv in iter_jsonl(path):
+        if not isinstance(conv, dict) or not isinstance(conv.get("messages"), list) or "id" not in conv:
+            raise ValueError(f"{where}: needs fields 'id' and 'messages' (a list)")
+        conversations.append(conv)
     return conversations

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
 from eagle3flow.shards import atomic_write_json
 from eagle3flow.vllm_runner import run_vllm
@@ -321,38 +322,32 @@ def load_prompt_set(name: str, path, tokenizer, max_prompts: int | None = None) 
     if not path.is_file():
         raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
     prompts, conversations, category_of = [], [], {}
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if max_prompts is not None and len(category_of) >= max_prompts:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
-            row_id = row.get("question_id", row.get("id"))
-            if row_id is None:
-                raise ValueError(f"{where}: need an 'id' (or MT-bench 'question_id')")
-            row_id = str(row_id)
-            if row_id in category_of:
-                raise ValueError(f"{where}: id {row_id} appears twice")
-            turns, messages = row.get("turns"), row.get("messages")
-            if turns is not None:
-                if (not isinstance(turns, list) or not turns
-                        or not all(isinstance(t, str) and t for t in turns)):
-                    raise ValueError(f"{where} (id {row_id}): 'turns' must be a non-empty list "
-                                     f"of non-empty strings")
-                conversations.append({"id": row_id, "turns": turns,
-                                      "messages": list(messages or [])})
-            elif isinstance(messages, list) and messages:
-                prompts.append({"id": row_id, "prompt_token_ids":
-                                _render_messages(tokenizer, messages)})
-            else:
-                raise ValueError(f"{where} (id {row_id}): need 'turns' (MT-bench) or a "
-                                 f"non-empty 'messages' list")
-            category_of[row_id] = str(row.get("category") or name)
+    for where, row in iter_jsonl(path):
+        if max_prompts is not None and len(category_of) >= max_prompts:
+            break
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        row_id = row.get("question_id", row.get("id"))
+        if row_id is None:
+            raise ValueError(f"{where}: need an 'id' (or MT-bench 'question_id')")
+        row_id = str(row_id)
+        if row_id in category_of:
+            raise ValueError(f"{where}: id {row_id} appears twice")
+        turns, messages = row.get("turns"), row.get("messages")
+        if turns is not None:
+            if (not isinstance(turns, list) or not turns
+                    or not all(isinstance(t, str) and t for t in turns)):
+                raise ValueError(f"{where} (id {row_id}): 'turns' must be a non-empty list "
+                                 f"of non-empty strings")
+            conversations.append({"id": row_id, "turns": turns,
+                                  "messages": list(messages or [])})
+        elif isinstance(messages, list) and messages:
+            prompts.append({"id": row_id, "prompt_token_ids":
+                            _render_messages(tokenizer, messages)})
+        else:
+            raise ValueError(f"{where} (id {row_id}): need 'turns' (MT-bench) or a "
+                             f"non-empty 'messages' list")
+        category_of[row_id] = str(row.get("category") or name)
     if not category_of:
         raise ValueError(f"prompt set {name!r}: {path} has no prompts")
     return {"name": name, "source": str(path), "prompts": prompts,

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3flow.procfs import ancestor_chain
+
 from eagle3flow.gpu_holders import (GpuQueryError, children_of, describe_process,
                                     gpu_memory_used, gpu_processes, process_start_ticks)
 
@@ -243,14 +245,7 @@ def _wait_until(predicate, timeout_s: float, poll_s: float) -> bool:
 def _snakemake_main_pid(state: State) -> tuple[int | None, int | None]:
     """The Snakemake main process this job belongs to: the plan's pid when it is one of
     our ancestors, otherwise the outermost ancestor whose command line says snakemake."""
-    ancestors, pid = [], os.getppid()
-    while pid > 1:
-        ancestors.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+    ancestors = ancestor_chain(os.getppid())
     plan = state.read(state.plan) or {}
     if plan.get("snakemake_pid") in ancestors:
         return plan["snakemake_pid"], plan.get("snakemake_start")

@@ -13,25 +13,14 @@ import shutil
 import sys
 from pathlib import Path
 
-
-def _ancestors(pid: int) -> set[int]:
-    seen = set()
-    while pid > 1 and pid not in seen:
-        seen.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                # the command name may hold spaces and parentheses: ppid follows the last ')'
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return seen
+from eagle3flow.procfs import ancestor_chain
 
 
 def live_snakemake_pids(workdir: str | os.PathLike) -> list[int]:
     """PIDs of other processes on this host whose cwd is ``workdir`` and whose command
     line mentions snakemake (this process and its ancestors excluded)."""
     workdir = os.path.realpath(workdir)
-    mine = _ancestors(os.getpid())
+    mine = set(ancestor_chain(os.getpid()))
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in mine:

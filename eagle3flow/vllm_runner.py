@@ -52,6 +52,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3flow.jsonl import iter_jsonl
+
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -90,27 +92,18 @@ def render_prompts(eval_prompts_jsonl: str | os.PathLike, target_path: str | os.
         raise ValueError(f"{target_path}: the tokenizer has no chat_template; cannot render "
                          f"the eval prompts")
     prompts = []
-    with open(eval_prompts_jsonl) as f:
-        for line_no, line in enumerate(f, 1):
-            if num_prompts is not None and len(prompts) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{eval_prompts_jsonl}:{line_no}: not JSON ({e})") from None
-            messages = row.get("messages")
-            if "id" not in row or not isinstance(messages, list) or not messages:
-                raise ValueError(f"{eval_prompts_jsonl}:{line_no}: need fields 'id' and a "
-                                 f"non-empty 'messages' list")
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)
-            ids = [int(t) for t in encoded["input_ids"]]
-            if not ids:
-                raise ValueError(f"{eval_prompts_jsonl}:{line_no} (id {row['id']}): renders "
-                                 f"to no tokens")
-            prompts.append({"id": str(row["id"]), "prompt_token_ids": ids})
+    for where, row in iter_jsonl(eval_prompts_jsonl):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages or "id" not in row:
+            raise ValueError(f"{where}: need fields 'id' and a non-empty 'messages' list")
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        ids = [int(t) for t in encoded["input_ids"]]
+        if not ids:
+            raise ValueError(f"{where} (id {row['id']}): renders to no tokens")
+        prompts.append({"id": str(row["id"]), "prompt_token_ids": ids})
     if not prompts:
         raise ValueError(f"{eval_prompts_jsonl}: no prompts")
     return prompts
