@@ -1,11 +1,7 @@
 """Train the EAGLE-3 draft with training-time test (TTT) on extracted hidden states.
 
-Loss: ``sum_j decay^j * CE_j`` over the ``ttt_steps`` chain steps (see
-eagle3flow/draft_model.py for what step ``j`` of row ``t`` sees and predicts), where
-``CE_j`` is the masked mean soft cross-entropy between the teacher
-``softmax(lm_head_target(last[t+j+1])[t2d])`` and the draft's log-softmax over the
-draft vocab. The teacher head is the target lm_head's ``t2d`` rows ``[Vd, H]``,
-so the full target vocab (e.g. 163840) is never materialised.
+Loss: eagle3flow/loss.py. The teacher head is the target lm_head's ``t2d`` rows
+``[Vd, H]``, so the full target vocab (e.g. 163840) is never materialised.
 
 Resumable: checkpoints go to ``cache_root/<fingerprint>/step-XXXXXXXX/state.pt``
 (trainable params, optimizer, scheduler, data position, RNG states), written
@@ -41,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
+from eagle3flow.loss import teacher_targets, ttt_loss
 from eagle3flow.progress import Progress
 from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, read_shard, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
@@ -130,17 +127,6 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model, teacher_head
-
-
-def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 4096):
-    """Teacher probabilities ``[N, Vd]`` (float32) and argmax ``[N]`` from ``last [N, H]``."""
-    probs, argmax = [], []
-    with torch.no_grad():
-        for a in range(0, last.shape[0], chunk_rows):
-            logits = (last[a:a + chunk_rows].to(teacher_head.dtype) @ teacher_head.T).float()
-            probs.append(torch.softmax(logits, dim=-1))
-            argmax.append(logits.argmax(-1))
-    return torch.cat(probs), torch.cat(argmax)
 
 
 # ---------------------------------------------------------------------------- data
@@ -252,40 +238,6 @@ def collate(data: ShardData, batch: list[tuple[int, int]], device: torch.device)
 
 
 # ---------------------------------------------------------------------------- loss / metrics
-
-def step_rows(layout: PackedLayout, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """Packed row indices that step ``step`` is scored on: index ``t+step+2`` exists and is masked in."""
-    valid = layout.valid(step)
-    n = loss_mask.numel()
-    target = (torch.arange(n, device=loss_mask.device) + step + 2).clamp(max=n - 1)
-    return (valid & loss_mask[target]).nonzero().flatten()
-
-
-def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
-             decay: float, autocast: bool):
-    """Weighted TTT loss (scalar) and per-step (loss, accuracy, rows) floats."""
-    layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], batch["input_ids"].device)
-    probs, argmax = teacher_targets(batch["last"], teacher_head)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        _, hiddens = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
-                                       num_steps, layout, compute_logits=False)
-    total = hiddens[0].new_zeros((), dtype=torch.float32)
-    stats = []
-    for j in range(num_steps):
-        rows = step_rows(layout, batch["loss_mask"], j)
-        if rows.numel() == 0:
-            stats.append((0.0, 0.0, 0))
-            continue
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits_j = model.logits(hiddens[j][rows])
-        logp = F.log_softmax(logits_j.float(), dim=-1)
-        target = rows + j + 1          # teacher for index t+j+2 is last[t+j+1]
-        loss_j = -(probs[target] * logp).sum(-1).mean()
-        total = total + (decay ** j) * loss_j
-        acc = (logp.argmax(-1) == argmax[target]).float().mean()
-        stats.append((float(loss_j.detach()), float(acc), int(rows.numel())))
-    return total, stats
-
 
 @torch.no_grad()
 def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int | None = None,
