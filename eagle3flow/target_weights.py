@@ -1,10 +1,14 @@
 """The few target tensors the draft needs, read by name: embeddings, final norm, lm_head.
 
-Never loads the whole target: with a sharded checkpoint only the shards named for
-these tensors in ``model.safetensors.index.json`` are opened, and only those
-tensors are read. Handles tied embeddings (no lm_head -> the embeddings) and the
-name prefixes of plain (``model.embed_tokens.weight``) and multimodal
-(``model.language_model.*``, ``language_model.model.*``) checkpoints.
+Never loads the whole target: with a sharded checkpoint (Kimi-K2.5: 64+ files) only
+the shards named for these tensors in ``model.safetensors.index.json`` are opened,
+and only those tensors are read. Handles tied embeddings (no lm_head -> the
+embeddings), the name prefixes of plain (``model.embed_tokens.weight``) and
+multimodal (``model.language_model.*``, ``language_model.model.*``) checkpoints, and
+quantized ones (INT4 compressed-tensors, as Kimi-K2.5 ships): their experts are
+stored as ``*.weight_packed`` + scales, but embeddings, norms and lm_head stay bf16
+under their plain names, which is what is read here. A quantized head is refused
+with a message naming it.
 """
 from __future__ import annotations
 
@@ -78,6 +82,12 @@ def load_target_head(path: str | Path, parts=("embed_tokens", "norm", "lm_head")
     names = {}
     for part in parts:
         name = _find(locations, part)
+        if name is None:
+            packed = [c.removesuffix(".weight") + ".weight_packed" for c in CANDIDATES[part]]
+            found = [c for c in packed if c in locations]
+            if found:
+                raise ValueError(f"{path}: {found[0]} is quantized (compressed-tensors); the draft needs "
+                                 f"{part} in a float dtype (keep it in the quantization's ignore list)")
         if name is None and part == "lm_head":
             name = _find(locations, "embed_tokens")
             if name is not None and config.get("tie_word_embeddings") is False:
@@ -87,10 +97,17 @@ def load_target_head(path: str | Path, parts=("embed_tokens", "norm", "lm_head")
             raise KeyError(f"{path}: no tensor for {part} (looked for {CANDIDATES[part]})")
         names[part] = name
     out = {}
+    by_file: dict[Path, list[str]] = {}
     for part, name in names.items():
-        with safe_open(str(locations[name]), "pt") as f:
-            tensor = f.get_tensor(name)
-        out[part] = tensor.to(dtype) if dtype is not None else tensor
+        by_file.setdefault(locations[name], []).append(part)
+    for file, parts_here in by_file.items():     # each needed file opened once, no other file
+        with safe_open(str(file), "pt") as f:
+            for part in parts_here:
+                tensor = f.get_tensor(names[part])
+                if not tensor.is_floating_point():
+                    raise ValueError(f"{file}: {names[part]} has dtype {tensor.dtype}; {part} must be "
+                                     f"a float tensor (bf16/fp16/fp32)")
+                out[part] = tensor.to(dtype) if dtype is not None else tensor
     return out
 
 

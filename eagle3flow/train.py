@@ -9,11 +9,21 @@ atomically; a killed run continues from the latest one and, on CPU, reproduces t
 uninterrupted run's losses bitwise. The fingerprint covers the data manifests'
 checksums, the vocab map, the target and the training config.
 
-Data order: each epoch shuffles the shard order and the samples inside each shard
-with seeds derived from ``(seed, epoch)``; samples are packed into batches of at
-most ``batch_tokens`` tokens (a longer sample is a batch alone). The whole epoch's
-batch plan is computed from the shards' ``cu_seqlens`` alone, so the data position
-is just ``(epoch, batch index)``.
+Data order and batches: eagle3flow/train_data.py. ``batch_tokens`` is the GLOBAL
+batch: under torchrun (``python -m eagle3flow.launch``, eagle3flow/distributed.py)
+each of the N ranks trains on its share of every batch and the gradients are summed,
+so the samples of a step, their order and the loss normalisation are those of one
+process; checkpoints hold no per-rank state and resume under any world size. Only
+rank 0 writes checkpoints, metrics and outputs.
+
+Precision: bf16 autocast on CUDA (the frozen embeddings and the teacher head stored
+in bf16), fp32 on CPU.
+
+Observability: one metrics line per ``log_every`` steps (loss, per-step loss and
+accuracy, tokens/s over all ranks, MFU per eagle3flow/flops.py, the time the loop
+waited for data); the progress line prints the same with an ETA. At every checkpoint
+the eval split's simulated acceptance length is computed (capped by
+``eval_max_tokens``); the best checkpoint is kept besides the last ``keep_checkpoints``.
 """
 from __future__ import annotations
 
@@ -36,11 +46,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
+from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
 from eagle3flow.loss import teacher_targets, ttt_loss
-from eagle3flow.progress import Progress
-from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, read_shard, sha256_file
+from eagle3flow.progress import Progress, format_eta
+from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
+from eagle3flow.train_data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
+                                   plan_batches, rank_share)
 
 TRAIN_DEFAULTS = {
     "ttt_steps": 7,            # chain steps trained (and evaluated)
@@ -60,9 +74,16 @@ TRAIN_DEFAULTS = {
     "device": "auto",          # auto | cpu | cuda
     "draft": {},               # DraftConfig overrides, e.g. {"intermediate_size": 1024}
     "eval_max_tokens": None,   # cap on eval tokens (None: the whole eval split)
+    "nproc": None,             # processes per node (None: one per GPU, 1 on CPU); read by the launcher
+    "nodes": 1,                # nodes (SLURM); read by the launcher
+    "data_workers": None,      # reader processes per rank (None: 4 on CUDA, 0 on CPU)
+    "prefetch_batches": 8,     # batches read ahead per rank
+    "peak_flops": None,        # per-device FLOP/s for MFU (None: measured bf16/fp32 matmul)
 }
-# Keys that change neither the trained weights nor the loss history.
-NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens")
+# Keys that change neither the trained weights nor the loss history (the world size
+# changes the float summation order only, so a run may resume under another one).
+NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
+                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device")
 
 
 def resolve_train_config(config: dict | None) -> dict:
@@ -71,9 +92,14 @@ def resolve_train_config(config: dict | None) -> dict:
     if unknown:
         raise ValueError(f"train config: unknown keys {unknown} (known: {sorted(TRAIN_DEFAULTS)})")
     merged = {**TRAIN_DEFAULTS, **config}
-    for key in ("ttt_steps", "epochs", "batch_tokens", "log_every", "checkpoint_every", "keep_checkpoints"):
+    for key in ("ttt_steps", "epochs", "batch_tokens", "log_every", "checkpoint_every", "keep_checkpoints",
+                "nodes", "prefetch_batches"):
         if int(merged[key]) < 1:
             raise ValueError(f"train config: {key} must be >= 1, got {merged[key]}")
+    if merged["nproc"] is not None and int(merged["nproc"]) < 1:
+        raise ValueError(f"train config: nproc must be >= 1 or null, got {merged['nproc']}")
+    if merged["data_workers"] is not None and int(merged["data_workers"]) < 0:
+        raise ValueError(f"train config: data_workers must be >= 0 or null, got {merged['data_workers']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged
@@ -113,13 +139,15 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
     if t2d.numel() != cfg.vocab_size:
         raise ValueError(f"vocab map t2d has {t2d.numel()} entries but the target {target_path} "
                          f"has vocab_size {cfg.vocab_size}")
-    head = load_target_head(target_path, dtype=torch.float32)
-    if head["embed_tokens"].shape[0] < cfg.vocab_size:
-        raise ValueError(f"{target_path}: embed_tokens has {head['embed_tokens'].shape[0]} rows, "
-                         f"config vocab_size is {cfg.vocab_size}")
+    # As stored (bf16 for large targets): a [163840, 7168] matrix is 2.3 GB, 4.7 in fp32.
+    head = load_target_head(target_path)
+    for part in ("embed_tokens", "lm_head"):
+        if head[part].shape[0] < cfg.vocab_size or head[part].shape[1] != cfg.target_hidden_size:
+            raise ValueError(f"{target_path}: {part} has shape {list(head[part].shape)}, the config says "
+                             f"[{cfg.vocab_size}, {cfg.target_hidden_size}] (vocab_size, hidden_size)")
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
-    teacher_head = head["lm_head"][:cfg.vocab_size][t2d].contiguous()
+    teacher_head = head["lm_head"][:cfg.vocab_size][t2d].float().contiguous()
     with torch.no_grad():
         model.embed_tokens.weight.copy_(head["embed_tokens"][:cfg.vocab_size])
         model.norm.weight.copy_(head["norm"])
@@ -127,114 +155,6 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model, teacher_head
-
-
-# ---------------------------------------------------------------------------- data
-
-class ShardData:
-    """A manifest's shards: lengths for planning, and an LRU of loaded shards."""
-
-    def __init__(self, manifest: Manifest, cache_size: int = 2):
-        self.manifest = manifest
-        self.lengths = []
-        for path in manifest.shard_paths:
-            if not path.is_file():
-                raise FileNotFoundError(f"{manifest.path}: shard {path} is missing")
-            with safe_open(str(path), "pt") as f:
-                cu = f.get_tensor("cu_seqlens")
-            self.lengths.append((cu[1:] - cu[:-1]).tolist())
-        self._cache: OrderedDict[int, dict] = OrderedDict()
-        self.cache_size = cache_size
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(sum(x) for x in self.lengths)
-
-    def shard(self, index: int) -> dict:
-        if index not in self._cache:
-            tensors, _ = read_shard(self.manifest.shard_paths[index])
-            self._cache[index] = tensors
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(index)
-        return self._cache[index]
-
-    def sample(self, shard: int, index: int) -> dict:
-        t = self.shard(shard)
-        a, b = int(t["cu_seqlens"][index]), int(t["cu_seqlens"][index + 1])
-        return {name: t[name][a:b] for name in
-                ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")}
-
-
-def epoch_order(data: ShardData, seed: int, epoch: int, shuffle: bool = True) -> list[tuple[int, int]]:
-    """``(shard, sample)`` pairs of one epoch, shard order and in-shard order shuffled."""
-    shards = list(range(len(data.lengths)))
-    if shuffle:
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(shards)
-    order = []
-    for s in shards:
-        samples = list(range(len(data.lengths[s])))
-        if shuffle:
-            random.Random(f"{seed}-epoch-{epoch}-shard-{s}").shuffle(samples)
-        order.extend((s, i) for i in samples)
-    return order
-
-
-def plan_batches(data: ShardData, order: list[tuple[int, int]], batch_tokens: int,
-                 seed: str | None = None, window_batches: int = 32) -> list[list[tuple[int, int]]]:
-    """Length-grouped packing: a batch holds at most ``batch_tokens`` (or one longer sample).
-
-    Attention runs on a padded ``[B, Tmax]`` view, so mixing a 500-token sample with
-    thirty 40-token ones costs 8x the work. Consecutive windows of about
-    ``window_batches`` batches of the (shuffled) order are sorted by length before
-    packing, and the batches of a window are shuffled again with ``seed``. Windows
-    follow the order, so batches still read shards one after another.
-    """
-    batches: list[list[tuple[int, int]]] = []
-    window, window_tokens = [], 0
-
-    def flush():
-        current, size = [], 0
-        planned = []
-        for s, i in sorted(window, key=lambda si: data.lengths[si[0]][si[1]]):
-            n = data.lengths[s][i]
-            if current and size + n > batch_tokens:
-                planned.append(current)
-                current, size = [], 0
-            current.append((s, i))
-            size += n
-        if current:
-            planned.append(current)
-        if seed is not None:
-            random.Random(f"{seed}-window-{len(batches)}").shuffle(planned)
-        batches.extend(planned)
-
-    for s, i in order:
-        window.append((s, i))
-        window_tokens += data.lengths[s][i]
-        if window_tokens >= window_batches * batch_tokens:
-            flush()
-            window, window_tokens = [], 0
-    if window:
-        flush()
-    return batches
-
-
-def collate(data: ShardData, batch: list[tuple[int, int]], device: torch.device) -> dict:
-    """Packed batch: ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``aux [N, A*H]``,
-    ``last [N, H]``, ``cu_seqlens [B+1]`` int64."""
-    samples = [data.sample(s, i) for s, i in batch]
-    lengths = torch.tensor([x["input_ids"].numel() for x in samples])
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
-    float_dtype = torch.float32
-    return {
-        "input_ids": torch.cat([x["input_ids"] for x in samples]).long().to(device),
-        "loss_mask": torch.cat([x["loss_mask"] for x in samples]).bool().to(device),
-        "aux": torch.cat([x["aux_hidden_states"] for x in samples]).to(device, float_dtype),
-        "last": torch.cat([x["last_hidden_state"] for x in samples]).to(device, float_dtype),
-        "cu_seqlens": cu.to(device),
-    }
 
 
 # ---------------------------------------------------------------------------- loss / metrics
@@ -339,8 +259,9 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # this rank's device only: the _all variants would open a context on every GPU
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -348,12 +269,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, torch.Tensor) and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(cuda)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Write ``step-XXXXXXXX/state.pt`` via a temporary dir renamed when complete."""
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int, keep_step: int | None = None) -> Path:
+    """Write ``step-XXXXXXXX/state.pt`` via a temporary dir renamed when complete; keep the
+    last ``keep`` checkpoints and the one of step ``keep_step`` (the best), delete the rest."""
     final = run_dir / f"step-{step:08d}"
     tmp = run_dir / f".step-{step:08d}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -365,8 +288,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old_step, old in list_checkpoints(run_dir)[:-keep]:
+        if old_step != keep_step:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -403,20 +327,42 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
 def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_map: str | Path,
           target_path: str | Path, out_dir: str | Path, cache_root: str | Path,
           config: dict | None = None) -> dict:
-    """Train (or resume) and write the declared outputs into ``out_dir``; returns eval.json's dict."""
+    """Train (or resume) and write the declared outputs into ``out_dir``; returns eval.json's dict.
+
+    Under torchrun every rank calls this; rank 0 writes and returns the result, the
+    others return ``{}``.
+    """
     cfg = resolve_train_config(config)
-    out_dir, cache_root = Path(out_dir), Path(cache_root)
+    ctx = init_distributed(cfg["device"])
+    try:
+        return _train(ctx, cfg, train_manifest, eval_manifest, vocab_map, target_path,
+                      Path(out_dir), Path(cache_root))
+    finally:
+        ctx.close()
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map, target_path,
+           out_dir: Path, cache_root: Path) -> dict:
     manifest = load_manifest(train_manifest)
     d2t, t2d = load_vocab_map(vocab_map)
-    device = pick_device(cfg["device"])
+    device = ctx.device
     autocast = device.type == "cuda"
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if ctx.is_main else (lambda msg: None)
     model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"])
     if manifest.hidden_size != model.config.target_hidden_size:
         raise ValueError(f"{manifest.path}: hidden_size {manifest.hidden_size} != target hidden size "
                          f"{model.config.target_hidden_size}")
+    if autocast:
+        # Frozen and only looked up: bf16 is what autocast computes with anyway, at half the memory.
+        model.embed_tokens.to(torch.bfloat16)
     model.to(device).train()
     teacher_head = teacher_head.to(device, torch.bfloat16 if autocast else torch.float32)
     params = [p for n, p in model.named_parameters() if p.requires_grad]
+    ctx.broadcast_(params)
     optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg["adam_betas"]),
                                   weight_decay=cfg["weight_decay"], fused=device.type == "cuda")
 
@@ -437,10 +383,11 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
 
     fp = fingerprint(manifest, vocab_map, target_path, cfg)
     run_dir = cache_root / fp
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
-                                                "train_manifest": str(train_manifest)})
-    step, epoch, batch_index = 0, 0, 0
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
+                                                    "train_manifest": str(train_manifest)})
+    step, epoch, batch_index, best = 0, 0, 0, None
     checkpoints = list_checkpoints(run_dir)
     if checkpoints:
         state = torch.load(checkpoints[-1][1] / "state.pt", map_location="cpu", weights_only=False)
@@ -448,17 +395,35 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_index = state["step"], state["data"]["epoch"], state["data"]["batch_index"]
+        best = state.get("best")
         set_rng_state(state["rng"])
-        print(f"train: resuming from {checkpoints[-1][1]} (step {step}/{total_steps})", file=sys.stderr)
+        log(f"train: resuming from {checkpoints[-1][1]} (step {step}/{total_steps}, "
+            f"saved by {state.get('world_size', 1)} process(es), now {ctx.world_size})")
 
-    metrics_cache = run_dir / "metrics.jsonl"
-    history = read_metrics(metrics_cache, step)
-    for path in (metrics_cache, out_dir / "metrics.jsonl"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.write("".join(line + "\n" for line in history))
+    metrics_paths = (run_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
+    if ctx.is_main:
+        history = read_metrics(metrics_paths[0], step)
+        for path in metrics_paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write("".join(line + "\n" for line in history))
+
+    num_steps, decay = cfg["ttt_steps"], cfg["step_loss_decay"]
+    eval_split = None if eval_manifest is None else load_manifest(eval_manifest)
+
+    def evaluate() -> dict:
+        with _autocast(device):
+            return evaluate_split(model, eval_split, num_steps, cfg["eval_max_tokens"],
+                                  teacher_head=teacher_head.float(), batch_tokens=cfg["batch_tokens"])
 
     def checkpoint(next_epoch: int, next_batch: int):
+        nonlocal best
+        if eval_split is not None:
+            acceptance = evaluate()["simulated_acceptance_length"][str(num_steps)]
+            if acceptance is not None and (best is None or acceptance > best["acceptance_length"]):
+                best = {"step": step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps}
+            log(f"train: step {step} eval simulated acceptance length (K={num_steps}) {acceptance}; "
+                f"best {best}")
         batches = plan(next_epoch) if next_epoch < cfg["epochs"] else []
         position = batches[next_batch][0] if next_batch < len(batches) else None
         state = {
@@ -466,64 +431,105 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
             "data": {"epoch": next_epoch, "batch_index": next_batch,
                      "next_sample": None if position is None else {"shard": position[0], "offset": position[1]}},
-            "rng": rng_state(), "fingerprint": fp,
+            "rng": rng_state(), "fingerprint": fp, "best": best, "world_size": ctx.world_size,
         }
-        save_checkpoint(run_dir, step, state, cfg["keep_checkpoints"])
+        save_checkpoint(run_dir, step, state, cfg["keep_checkpoints"], best["step"] if best else None)
+        if best is not None:
+            atomic_write_json(run_dir / "best.json", {**best, "checkpoint": str(run_dir / f"step-{best['step']:08d}")})
 
-    done_tokens = data.num_tokens * epoch
-    if epoch < cfg["epochs"]:
-        done_tokens += sum(data.lengths[s][i] for b in plan(epoch)[:batch_index] for s, i in b)
-    progress = Progress("train", data.num_tokens * cfg["epochs"], unit="tokens", done=done_tokens)
+    # The remaining global batches, in order, and this rank's share of each.
+    positions = [(e, b) for e in range(epoch, cfg["epochs"])
+                 for b in range(batch_index if e == epoch else 0, steps_per_epoch[e])]
+    shares, global_tokens = [], []
+    for e, b in positions:
+        batch = plan(e)[b]
+        shares.append(rank_share(batch, data.lengths, ctx.rank, ctx.world_size))
+        global_tokens.append(sum(data.lengths[s][i] for s, i in batch))
+    workers = cfg["data_workers"] if cfg["data_workers"] is not None else (4 if device.type == "cuda" else 0)
+    loader = BatchLoader(data, shares, num_steps, device, workers, cfg["prefetch_batches"])
+
+    all_lengths = [n for shard in data.lengths for n in shard]
+    flops_per_token = train_flops_per_token(model.config, num_steps, mean_causal_context(all_lengths))["total"]
+    peak_flops = float(cfg["peak_flops"]) if cfg["peak_flops"] else measure_matmul_flops(device)
+    log(f"train: {ctx.world_size} process(es) on {device.type}, {total_steps} steps of <= "
+        f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token, "
+        f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({'configured' if cfg['peak_flops'] else 'measured'})")
+
+    progress = Progress("train", data.num_tokens * cfg["epochs"], unit="tokens",
+                        done=data.num_tokens * cfg["epochs"] - sum(global_tokens),
+                        stream=sys.stderr if ctx.is_main else open(os.devnull, "w"))
     delay = float(os.environ.get("EAGLE3FLOW_TEST_STEP_DELAY", "0") or 0)
-    num_steps, decay = cfg["ttt_steps"], cfg["step_loss_decay"]
-    window_tokens, window_t0 = 0, time.monotonic()
-    while epoch < cfg["epochs"]:
-        batches = plan(epoch)
-        while batch_index < len(batches):
-            batch = collate(data, batches[batch_index], device)
-            n = batch["input_ids"].numel()
-            loss, stats = ttt_loss(model, batch, teacher_head, num_steps, decay, autocast)
-            optimizer.zero_grad(set_to_none=True)
+    window = {"tokens": 0, "wait": 0.0, "steps": 0, "t0": time.perf_counter()}
+    last = ""
+    for k, (epoch, batch_index) in enumerate(positions):
+        batch = loader.next()
+        window["wait"] += loader.wait_s
+        # Divide each step's loss by the scored rows of the whole global batch.
+        counts = ctx.all_reduce_sum(batch["step_rows"].clone()).tolist()
+        denominators = [max(1, int(c)) for c in counts]
+        loss, stats = None, [(0.0, 0.0, 0)] * num_steps
+        if batch["input_ids"].numel():
+            loss, stats = ttt_loss(model, batch, teacher_head, num_steps, decay, autocast,
+                                   denominators=denominators)
+        optimizer.zero_grad(set_to_none=True)
+        if loss is not None and loss.requires_grad:
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            batch_index += 1
-            window_tokens += n
-            if step % cfg["log_every"] == 0 or step == total_steps:
-                now = time.monotonic()
-                row = {"step": step, "epoch": epoch, "loss": float(loss.detach()),
-                       "step_loss": [s[0] for s in stats], "step_acc": [s[1] for s in stats],
-                       "step_rows": [s[2] for s in stats], "grad_norm": float(grad_norm), "lr": lr,
-                       "tokens": n, "tokens_per_s": window_tokens / max(now - window_t0, 1e-9)}
-                window_tokens, window_t0 = 0, now
+        sum_gradients(params, ctx)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        window["tokens"] += global_tokens[k]
+        window["steps"] += 1
+        at_end = batch_index + 1 == steps_per_epoch[epoch]
+        if step % cfg["log_every"] == 0 or step == total_steps:
+            local = torch.tensor([0.0 if loss is None else float(loss.detach()), window["wait"]]
+                                 + [s[0] for s in stats] + [round(s[1] * s[2]) for s in stats],
+                                 dtype=torch.float64)
+            summed = ctx.all_reduce_sum(local).tolist()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            tokens_per_s = window["tokens"] / max(now - window["t0"], 1e-9)
+            row = {"step": step, "epoch": epoch, "loss": summed[0],
+                   "step_loss": summed[2:2 + num_steps],
+                   "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],
+                   "step_rows": [int(c) for c in counts], "grad_norm": float(grad_norm), "lr": lr,
+                   "tokens": global_tokens[k], "tokens_per_s": tokens_per_s,
+                   "mfu": tokens_per_s * flops_per_token / (peak_flops * ctx.world_size),
+                   "data_wait_s": summed[1] / ctx.world_size / window["steps"],
+                   "world_size": ctx.world_size}
+            window = {"tokens": 0, "wait": 0.0, "steps": 0, "t0": now}
+            last = (f"loss {row['loss']:.4f} acc0 {row['step_acc'][0]:.3f} mfu {row['mfu']:.1%} "
+                    f"data-wait {row['data_wait_s'] * 1e3:.1f} ms/step")
+            if ctx.is_main:
                 line = json.dumps(row)
-                for path in (metrics_cache, out_dir / "metrics.jsonl"):
+                for path in metrics_paths:
                     with open(path, "a") as f:
                         f.write(line + "\n")
-            progress.update(n, extra=f"step {step}/{total_steps} loss {float(loss.detach()):.4f} "
-                                     f"acc0 {stats[0][1]:.3f}")
-            if step % cfg["checkpoint_every"] == 0 or step == total_steps:
-                at_end = batch_index == len(batches)
-                checkpoint(epoch + 1 if at_end else epoch, 0 if at_end else batch_index)
-            if delay:
-                time.sleep(delay)
-        epoch, batch_index = epoch + 1, 0
+        progress.update(global_tokens[k], extra=f"step {step}/{total_steps} {last}")
+        if step % cfg["checkpoint_every"] == 0 or step == total_steps:
+            if ctx.is_main:
+                checkpoint(epoch + 1 if at_end else epoch, 0 if at_end else batch_index + 1)
+        if delay:
+            time.sleep(delay)
     progress.close()
 
+    if not ctx.is_main:
+        return {}
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.trainable_state_dict().items()},
+    save_file({k: v.detach().cpu().float().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
+               for k, v in model.trainable_state_dict().items()},
               str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
     atomic_write_json(out_dir / "draft_config.json", model.config.to_dict())
-    result = {"train_config": cfg, "fingerprint": fp, "steps": step}
-    if eval_manifest is not None:
-        result.update(evaluate_split(model, eval_manifest, num_steps, cfg["eval_max_tokens"],
-                                     teacher_head=teacher_head.float(), batch_tokens=cfg["batch_tokens"]))
-        print(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
-              f"{result['simulated_acceptance_length']}", file=sys.stderr)
+    result = {"train_config": cfg, "fingerprint": fp, "steps": step, "world_size": ctx.world_size,
+              "flops_per_token": flops_per_token, "best_checkpoint": best}
+    if eval_split is not None:
+        result.update(evaluate())
+        log(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
+            f"{result['simulated_acceptance_length']}")
     atomic_write_json(out_dir / "eval.json", result)
     return result
 

@@ -1,4 +1,6 @@
 # Checkpoints live in the cache (undeclared): a killed run resumes from the last.
+# eagle3flow.launch starts one process per GPU the job holds (torchrun; train.nproc
+# forces N, e.g. 2 gloo processes on CPU), across train.nodes SLURM nodes (srun).
 TRAIN_INPUTS = dict(
     train=f"{RESULTS}/hidden_states/train/manifest.json",
     eval=f"{RESULTS}/hidden_states/eval/manifest.json",
@@ -21,8 +23,13 @@ rule train_draft:
         cache=f"{CACHE}/train",
         cfg=json_arg("train"),
         gpu_prelude=gpu_stage_prelude("train_draft", f"{LOGS}/train_draft.log"),
+        launch=(
+            f"--nproc {config['train']['nproc'] or 'auto'} --nodes {config['train']['nodes']}"
+            f" --device {config['train']['device']}"
+        ),
     resources:
         gpus=GPUS,
+        nodes=config["train"]["nodes"],
     log:
         f"{LOGS}/train_draft.log",
     benchmark:
@@ -31,6 +38,7 @@ rule train_draft:
         "../envs/train.yaml"
     shell:
         "{params.gpu_prelude}"
-        "python -m eagle3flow.train --train-manifest {input.train} --eval-manifest {input.eval}"
+        "python -m eagle3flow.launch {params.launch} eagle3flow.train --"
+        " --train-manifest {input.train} --eval-manifest {input.eval}"
         " --vocab-map {input.vocab_map} --target {input.target:q} --out-dir {params.out_dir}"
         " --cache-root {params.cache} --config-json {params.cfg} 2>&1 | tee {log}"

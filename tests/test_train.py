@@ -112,10 +112,13 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
     model = load_trained(out, train_inputs["target"])
     again = evaluate_split(model, train_inputs["eval"], 3)
     assert again["step_accuracy"] == pytest.approx(ev["step_accuracy"])
-    # checkpoints: only the last two kept, the final one among them
+    # checkpoints: the last two and the best by simulated acceptance length (K=3) on the eval split
     run_dirs = list((tmp_path / "cache").iterdir())
     steps = sorted(p.name for p in run_dirs[0].glob("step-*"))
-    assert len(steps) == 2 and steps[-1] == f"step-{len(rows):08d}"
+    best = ev["best_checkpoint"]
+    assert best["acceptance_length"] >= ev["simulated_acceptance_length"]["3"]
+    expected = {f"step-{len(rows) - 3:08d}", f"step-{len(rows):08d}", f"step-{best['step']:08d}"}
+    assert set(steps) == expected and json.loads((run_dirs[0] / "best.json").read_text())["step"] == best["step"]
     # a rerun after completion does not train again and rewrites the same outputs
     t0 = time.monotonic()
     train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"],

@@ -1,0 +1,112 @@
+"""Training under torchrun: 2 gloo processes on the CPU, killed and resumed bitwise, and the
+same global batches (and so nearly the same losses) as one process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import CONFIG, losses, make_hidden_states, make_vocab_map
+
+from eagle3flow.launch import command, processes_per_node
+from eagle3flow.train import train
+from eagle3flow.train_data import rank_share
+
+REPO = Path(__file__).resolve().parent.parent
+DIST_CONFIG = {**CONFIG, "epochs": 3, "checkpoint_every": 2, "nproc": 2}
+
+
+@pytest.fixture(scope="module")
+def inputs(random_llama_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_inputs")
+    train_m = make_hidden_states(random_llama_target, root / "hs_train", 16, seed=2, samples_per_shard=6)
+    vmap = make_vocab_map(train_m, 512, 200, root / "vocab_map.safetensors")
+    return {"train": train_m, "vocab": vmap, "target": random_llama_target}
+
+
+def launch(inputs, out, cache, config, env_extra=None, wait=True):
+    """The train rule's command line: eagle3flow.launch -> torchrun -> eagle3flow.train."""
+    cmd = [sys.executable, "-m", "eagle3flow.launch", "--nproc", str(config["nproc"]), "--device", "cpu",
+           "eagle3flow.train", "--", "--train-manifest", str(inputs["train"]),
+           "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
+           "--out-dir", str(out), "--cache-root", str(cache), "--config-json", json.dumps(config)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    if wait:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        return output
+    return proc
+
+
+@pytest.mark.slow   # three torchrun launches of 2 processes: ~35 s on 2 idle cores
+def test_torchrun_two_processes_resume_bitwise_and_match_one_process(inputs, tmp_path):
+    output = launch(inputs, tmp_path / "ref_out", tmp_path / "ref_cache", DIST_CONFIG)
+    assert "2 process(es) on cpu" in output and "torch.distributed.run" in output
+    reference = losses(tmp_path / "ref_out")
+    assert len(reference) >= 8
+    rows = [json.loads(l) for l in (tmp_path / "ref_out" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["world_size"] == 2 and r["mfu"] > 0 and r["data_wait_s"] >= 0 for r in rows)
+
+    # Killed (torchrun and both workers) between checkpoints, then resumed: bitwise the same.
+    proc = launch(inputs, tmp_path / "out", tmp_path / "cache", DIST_CONFIG,
+                  {"EAGLE3FLOW_TEST_STEP_DELAY": "0.3"}, wait=False)
+    deadline = time.monotonic() + 180
+    try:
+        while not any(int(p.name[5:]) >= 4 for p in (tmp_path / "cache").glob("*/step-*")):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.4)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    partial = losses(tmp_path / "out")
+    assert 4 <= len(partial) < len(reference)
+    time.sleep(1.0)     # torchrun's workers (own sessions) died with it: nothing more is logged
+    assert losses(tmp_path / "out") == partial
+    # the resumed run reads its batches in a worker process: same data, same losses
+    output = launch(inputs, tmp_path / "out", tmp_path / "cache", {**DIST_CONFIG, "data_workers": 1})
+    assert "resuming from" in output
+    assert losses(tmp_path / "out") == reference
+
+    # One process trains on the same global batches: the same losses up to summation order.
+    single = train(inputs["train"], None, inputs["vocab"], inputs["target"], tmp_path / "one_out",
+                   tmp_path / "one_cache", {**DIST_CONFIG, "nproc": 1})
+    assert single["world_size"] == 1
+    one = losses(tmp_path / "one_out")
+    assert [r[0] for r in one] == [r[0] for r in reference]
+    for (_, loss1, steps1, acc1), (_, loss2, steps2, acc2) in zip(one, reference):
+        assert loss1 == pytest.approx(loss2, rel=1e-4) and steps1 == pytest.approx(steps2, rel=1e-4)
+        assert acc1 == pytest.approx(acc2, abs=0.02)
+
+
+def test_rank_shares_cover_the_batch_once():
+    lengths = [[30, 10, 20], [40, 5]]
+    batch = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]
+    for world in (1, 2, 3, 8):
+        shares = [rank_share(batch, lengths, r, world) for r in range(world)]
+        assert sorted(x for s in shares for x in s) == sorted(batch)
+        for share in shares:   # each keeps the batch's order
+            assert share == sorted(share, key=batch.index)
+    # token-balanced: 40 | 30+5 | 20+10
+    assert [sum(lengths[s][i] for s, i in rank_share(batch, lengths, r, 3)) for r in range(3)] == [40, 35, 30]
+
+
+def test_launch_commands():
+    assert command("eagle3flow.train", ["--x"], 1, 1)[1:] == ["-m", "eagle3flow.train", "--x"]
+    single_node = command("eagle3flow.train", ["--x"], 8, 1)
+    assert single_node[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in single_node
+    assert single_node[single_node.index("--nproc-per-node") + 1] == "8"
+    multi = command("eagle3flow.train", ["--x"], 8, 4, env={"SLURM_JOB_ID": "77"}, first_host="gpu-a01")
+    assert multi[:2] == ["srun", "--nodes=4"] and "--ntasks-per-node=1" in multi
+    assert multi[multi.index("--rdzv-endpoint") + 1].startswith("gpu-a01:")
+    assert multi[multi.index("--nnodes") + 1] == "4" and multi[-2:] == ["eagle3flow.train", "--x"][-2:]
+    assert processes_per_node("auto", "cpu") == 1 and processes_per_node("3", "cpu") == 3
