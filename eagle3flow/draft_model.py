@@ -28,7 +28,8 @@ TTT semantics (the serving loop, teacher-forced). A sample has target aux states
 
 The attention is computed without a ``T x (K*T)`` mask: causal attention against
 the step-0 K/V (with its logsumexp) plus ``j`` per-row diagonal scores, combined by
-one joint softmax through logsumexp. GQA is supported.
+one joint softmax through logsumexp (eagle3flow/ttt_attention.py: a flash-attention
+path on CUDA, an exact float32 path elsewhere). GQA is supported.
 
 Batch layout: samples packed back to back, ``[N]`` rows with ``cu_seqlens [B+1]``
 (sample ``b`` = rows ``cu[b]:cu[b+1]``, positions restart at 0 per sample), the
@@ -44,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from eagle3flow.ttt_attention import cache_tail_attention
 
 EXPORTED_PARAM_NAMES = (
     "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -98,26 +101,44 @@ class DraftConfig:
     @classmethod
     def from_target_config(cls, target_config: dict, aux_layer_ids: list[int],
                            draft_vocab_size: int, overrides: dict | None = None) -> "DraftConfig":
-        """Derive the draft's shape from a Llama / Qwen3 / DeepSeek-V3 style HF config dict.
+        """Derive the draft's shape from a Llama / Qwen3 / DeepSeek-V3 / Kimi-K2 HF config dict
+        (or a multimodal wrapper's ``text_config``).
 
-        Attention width and FFN follow the target (DeepSeek-V3's MLA has no plain
-        ``head_dim``: use ``hidden_size // heads``); ``overrides`` replaces any field
-        (e.g. ``{"intermediate_size": 1024}``), except ``hidden_size``, tied to the target.
+        * Llama, Qwen3: the target's heads, KV heads, ``head_dim`` (Qwen3 sets it
+          explicitly), FFN width and rope (incl. ``llama3`` / ``yarn`` scaling).
+        * DeepSeek-V3 / Kimi-K2 (MLA, recognised by ``kv_lora_rank``): the draft is a plain
+          Llama layer. MLA has no single head size (``qk_nope + qk_rope`` for scores,
+          ``v_head_dim`` for values): use ``v_head_dim`` (128 in V3/K2) with the target's
+          head count and as many KV heads (MLA attends every head to its own K/V), the
+          dense FFN width ``intermediate_size`` (18432), i.e. the shape of the published
+          Kimi-K2 EAGLE-3 drafts. The rope is the target's YaRN (``factor``,
+          ``original_max_position_embeddings``, ``beta_*``) with its cos/sin scale written
+          out as ``attention_factor``, which transformers (training) and vLLM's
+          ``get_rope`` (serving) both read first, so both compute the same rotation.
+
+        ``overrides`` replaces any field (``train.draft`` in config.yaml, e.g.
+        ``{"intermediate_size": 1024}``), except ``hidden_size``, tied to the target.
         """
         cfg = dict(target_config.get("text_config") or target_config)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        is_mla = "kv_lora_rank" in cfg or str(cfg.get("model_type", "")).startswith("deepseek")
-        head_dim = hidden // heads if is_mla else int(cfg.get("head_dim") or hidden // heads)
+        is_mla = "kv_lora_rank" in cfg
+        if is_mla:
+            head_dim = int(cfg.get("v_head_dim") or hidden // heads)
+        else:
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling")
-        if legacy and not rope:
-            rope = dict(legacy)
+        if legacy and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope.update(legacy)
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope.pop("rope_theta", None)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
+        if "type" in rope:
+            rope["rope_type"] = rope.pop("type") if "rope_type" not in rope else rope["rope_type"]
+            rope.pop("type", None)
+        if rope.get("rope_type") in ("yarn", "deepseek_yarn"):
+            rope = yarn_rope_for_llama(rope, cfg)
         rope_scaling = rope if rope and rope.get("rope_type", "default") != "default" else None
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or target_config.get("torch_dtype") \
             or target_config.get("dtype") or "bfloat16"
@@ -213,6 +234,35 @@ class DraftConfig:
         return config
 
 
+def yarn_rope_for_llama(rope: dict, target: dict) -> dict:
+    """A target's YaRN parameters (``yarn``, or DeepSeek's ``deepseek_yarn``) as a Llama
+    draft's ``rope_scaling``: the frequency keys kept, the cos/sin magnitude scale made
+    explicit as ``attention_factor`` (from ``mscale``/``mscale_all_dim`` the way
+    transformers and vLLM derive it), so no reader has to infer it."""
+    import math
+
+    factor = float(rope["factor"])
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.get("attention_factor") is not None:
+        attention_factor = float(rope["attention_factor"])
+    elif rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention_factor = get_mscale(factor, rope["mscale"]) / get_mscale(factor, rope["mscale_all_dim"])
+    else:
+        attention_factor = get_mscale(factor)
+    original = rope.get("original_max_position_embeddings") or target.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"yarn rope scaling without original_max_position_embeddings: {rope}")
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original),
+           "attention_factor": attention_factor}
+    for key in ("beta_fast", "beta_slow", "truncate"):
+        if key in rope:
+            out[key] = rope[key]
+    return out
+
+
 # ---------------------------------------------------------------------------- layers
 
 class RMSNorm(nn.Module):
@@ -294,6 +344,7 @@ class PackedLayout:
     lengths: torch.Tensor       # int64 [N], the length of the row's sample
     batch_index: torch.Tensor   # int64 [N]
     max_len: int
+    uniform: bool = False       # every sample has max_len rows: padded view == packed rows
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device=None) -> "PackedLayout":
@@ -304,8 +355,9 @@ class PackedLayout:
         batch_index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         positions = torch.arange(int(cu[-1])) - cu[:-1][batch_index]
         dev = device or cu_seqlens.device
+        max_len = int(lengths.max())
         return cls(cu.to(dev), positions.to(dev), lengths[batch_index].to(dev),
-                   batch_index.to(dev), int(lengths.max()))
+                   batch_index.to(dev), max_len, bool((lengths == max_len).all()))
 
     @property
     def num_samples(self) -> int:
@@ -321,52 +373,73 @@ class PackedLayout:
         return self.batch_index * self.max_len + self.positions
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``[N, ...]`` -> ``[B, Tmax, ...]`` (zeros in the padding)."""
+        """``[N, ...]`` -> ``[B, Tmax, ...]`` (zeros in the padding; a view when uniform)."""
         rest = tuple(x.shape[1:])
+        if self.uniform:
+            return x.reshape((self.num_samples, self.max_len) + rest)
         out = x.new_zeros((self.num_samples * self.max_len,) + rest).index_copy(0, self.flat_index, x)
         return out.view((self.num_samples, self.max_len) + rest)
 
     def from_padded(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, Tmax, ...]`` -> ``[N, ...]``."""
-        return x.reshape((-1,) + tuple(x.shape[2:])).index_select(0, self.flat_index)
+        flat = x.reshape((-1,) + tuple(x.shape[2:]))
+        return flat if self.uniform else flat.index_select(0, self.flat_index)
 
 
-class StepZeroCache:
-    """The step-0 keys/values of every row, padded ``[B, heads, Tmax, d]`` once for all steps."""
-
-    def __init__(self, k0: torch.Tensor, v0: torch.Tensor, layout: PackedLayout, num_heads: int):
-        self.layout, self.num_heads = layout, num_heads
-        self.num_kv_heads = k0.shape[1]
-        self.k = layout.to_padded(k0).transpose(1, 2)           # [B, kvh, T, d]
-        self.v = layout.to_padded(v0).transpose(1, 2)
-        groups = num_heads // self.num_kv_heads
-        self.k_full = _repeat_kv(self.k, groups, 1)               # [B, h, T, d]
-        self.v_full = _repeat_kv(self.v, groups, 1)
-        t = layout.max_len
-        causal = torch.ones(t, t, dtype=torch.bool, device=k0.device).tril()
-        self.bias = torch.zeros(t, t, device=k0.device).masked_fill(~causal, float("-inf"))
-
-    def attend(self, q: torch.Tensor, scale: float, need_lse: bool):
-        """Causal attention of ``q [N, h, d]`` against the cache: ``out [N, h, d]`` and
-        (if ``need_lse``) its logsumexp ``lse [N, h]`` float32, differentiable."""
-        layout = self.layout
-        qp = layout.to_padded(q).transpose(1, 2)                 # [B, h, T, d]
-        if not need_lse:
-            out = F.scaled_dot_product_attention(qp, self.k, self.v, is_causal=True, scale=scale,
-                                                 enable_gqa=self.num_kv_heads != self.num_heads)
-            return layout.from_padded(out.transpose(1, 2)), None
-        b, h, t, d = qp.shape
-        # one fused op: bias + (scale*q) @ k^T, scores [B*h, T, T] in float32
-        scores = torch.baddbmm(self.bias, (qp * scale).reshape(b * h, t, d).float(),
-                               self.k_full.reshape(b * h, t, d).transpose(1, 2).float())
-        lse = torch.logsumexp(scores, dim=-1).view(b, h, t)
-        probs = torch.softmax(scores, dim=-1).to(qp.dtype)
-        out = torch.bmm(probs, self.v_full.reshape(b * h, t, d)).view(b, h, t, d)
-        return layout.from_padded(out.transpose(1, 2)), layout.from_padded(lse.transpose(1, 2))
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's RMSNorm without its weight: normalise in float32, cast back to ``x``'s dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+def pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                  w_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  heads: int, kv_heads: int, head_dim: int):
+    """The midlayer up to attention: rotated ``q [N,h,d]``, ``k, v [N,kvh,d]``.
+
+    ``qkv_proj(cat[input_layernorm(e), hidden_norm(h)])`` with the norms' weights folded
+    into the two column halves of the stacked q/k/v weight (``w_embed``, ``w_hidden``
+    ``[(h+2kvh)*d, H]``): the same product, and the backward skips the input gradient of
+    the embedding half (the embeddings are frozen).
+    """
+    n = hidden.shape[0]
+    qkv = torch.addmm(F.linear(rms_normalize(embeds, eps), w_embed), rms_normalize(hidden, eps),
+                      w_hidden.t())
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(n, heads, head_dim), cos, sin)
+    k = apply_rope(k.view(n, kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(n, kv_heads, head_dim)
+
+
+def post_attention(hidden: torch.Tensor, attn_out: torch.Tensor, w_o: torch.Tensor,
+                   w_post_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   w_final_norm: torch.Tensor, eps: float):
+    """Attention output ``[N, h*d]`` + residual ``hidden [N, H]`` -> the step's ``h_out``
+    (o_proj, post-attention norm, SiLU MLP with gate/up stacked in one weight) and
+    ``norm(h_out)``, the lm_head's input (both ``[N, H]``)."""
+    residual = hidden + F.linear(attn_out, w_o)
+    gate, up = F.linear(rms_normalize(residual, eps) * w_post_norm, w_gate_up).chunk(2, dim=-1)
+    h_out = residual + F.linear(F.silu(gate) * up, w_down)
+    return h_out, rms_normalize(h_out, eps) * w_final_norm
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_step_parts():
+    """``pre_attention`` / ``post_attention`` through torch.compile (fused element-wise work)."""
+    if not _COMPILED:
+        # default dynamic=None: static first, one dynamic recompile when the row count changes
+        _COMPILED["pre"] = torch.compile(pre_attention)
+        _COMPILED["post"] = torch.compile(post_attention)
+    return _COMPILED["pre"], _COMPILED["post"]
+
+
+def compute_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
+    """The autocast dtype where autocast is on for ``device``, else the parameters' dtype."""
+    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return param_dtype
 
 
 # ---------------------------------------------------------------------------- model
@@ -406,23 +479,21 @@ class Eagle3Draft(nn.Module):
         sin = (emb.sin() * self.rope_scale).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
-        """The midlayer up to attention. ``embeds/hidden [N, H]`` -> rotated ``q [N,h,d]``,
-        ``k, v [N,kvh,d]``."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        n = x.shape[0]
-        q = attn.q_proj(x).view(n, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
-        cos, sin = self.rope(positions, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[N, h*d]`` + residual ``hidden`` -> the step's pre-norm ``h_out``."""
-        layer = self.midlayer
-        residual = hidden + layer.self_attn.o_proj(attn_out)
-        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+    def step_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The midlayer's weights in ``dtype``, stacked/folded for :func:`pre_attention` and
+        :func:`post_attention`; built once per forward (differentiable w.r.t. the parameters)."""
+        layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
+        hid = self.config.hidden_size
+        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
+        return {
+            "w_embed": w_qkv[:, :hid] * layer.input_layernorm.weight.to(dtype),
+            "w_hidden": w_qkv[:, hid:] * layer.hidden_norm.weight.to(dtype),
+            "w_o": attn.o_proj.weight.to(dtype),
+            "w_post_norm": layer.post_attention_layernorm.weight.to(dtype),
+            "w_gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
+            "w_down": mlp.down_proj.weight.to(dtype),
+            "w_final_norm": self.norm.weight.to(dtype),
+        }
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_out))
@@ -434,26 +505,38 @@ class Eagle3Draft(nn.Module):
 
     def forward_ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                     num_steps: int, layout: PackedLayout | None = None,
-                    step_tokens: list[torch.Tensor] | None = None, compute_logits: bool = True):
+                    step_tokens: list[torch.Tensor] | None = None, compute_logits: bool = True,
+                    normed: bool = False):
         """Teacher-forced TTT over packed samples (see the module docstring).
 
         ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``. Returns
         ``(logits, hiddens)``: ``num_steps`` tensors ``[N, Vd]`` and ``[N, H]``; row ``r``
         of step ``j`` predicts packed row ``r+j+2`` (valid where ``layout.valid(j)``).
+        ``hiddens`` are the steps' ``h_out``, or with ``normed=True`` ``norm(h_out)`` (the
+        lm_head's input, computed in the same fused step).
         ``step_tokens`` (optional) overrides the input token of step ``j`` with
         ``step_tokens[j] [N]`` (used to feed the draft's own predictions).
         With ``compute_logits=False`` the logits list is empty: training computes them
         only on the rows it scores, a third of the lm_head's work on chat data.
+        Runs in the autocast dtype where CUDA autocast is on (weights cast once per call);
+        attention goes through eagle3flow/ttt_attention.py (flash kernel on CUDA).
+        The per-step pieces run through torch.compile on CUDA (``self.compile_steps``:
+        ``None`` = on CUDA only, or force ``True``/``False``; ~15 s of compilation once).
         """
         layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
         n = input_ids.shape[0]
-        attn = self.midlayer.self_attn
+        cfg, attn = self.config, self.midlayer.self_attn
         scale = attn.head_dim ** -0.5
-        groups = attn.num_heads // attn.num_kv_heads
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        dtype = compute_dtype(aux.device, self.fc.weight.dtype)
+        weights = self.step_weights(dtype)
+        compile_steps = getattr(self, "compile_steps", None)
+        if compile_steps is None:
+            compile_steps = aux.is_cuda
+        pre, post = compiled_step_parts() if compile_steps else (pre_attention, post_attention)
+        hidden = F.linear(aux.to(dtype), self.fc.weight.to(dtype))
         rows = torch.arange(n, device=input_ids.device)
-        cache = None
-        tail_k, tail_v = [], []          # per-row diagonal K/V of steps 1..j
+        k0 = v0 = None
+        tail_k, tail_v = [], []          # padded K/V of steps 1..j, each row's own chain
         all_logits, all_hidden = [], []
         for j in range(num_steps):
             if step_tokens is not None and j < len(step_tokens) and step_tokens[j] is not None:
@@ -463,26 +546,25 @@ class Eagle3Draft(nn.Module):
                 src = rows + j + 1
                 ok = layout.positions + j + 1 < layout.lengths
                 tokens = torch.where(ok, input_ids[src.clamp(max=n - 1)], torch.zeros_like(input_ids))
-            embeds = self.embed_tokens(tokens)
-            q, k, v = self.qkv(embeds, hidden, layout.positions + j)
+            cos, sin = self.rope(layout.positions + j, dtype)
+            q, k, v = pre(self.embed_tokens(tokens).to(dtype), hidden, weights["w_embed"],
+                          weights["w_hidden"], cos, sin, cfg.rms_norm_eps, attn.num_heads,
+                          attn.num_kv_heads, attn.head_dim)
             if j == 0:
-                cache = StepZeroCache(k, v, layout, attn.num_heads)
-                out, _ = cache.attend(q, scale, need_lse=False)
+                k0, v0 = layout.to_padded(k), layout.to_padded(v)
             else:
-                tail_k.append(k)
-                tail_v.append(v)
-                out_c, lse_c = cache.attend(q, scale, need_lse=True)
-                kk = _repeat_kv(torch.stack(tail_k, 0), groups, 2)        # [j, N, h, d]
-                vv = _repeat_kv(torch.stack(tail_v, 0), groups, 2)
-                s = (q.unsqueeze(0) * kk).sum(-1).float() * scale          # [j, N, h]
-                lse = torch.logsumexp(torch.cat([lse_c.unsqueeze(0), s], 0), dim=0)
-                w_c = torch.exp(lse_c - lse).unsqueeze(-1).to(q.dtype)     # [N, h, 1]
-                w_t = torch.exp(s - lse.unsqueeze(0)).unsqueeze(-1).to(q.dtype)
-                out = w_c * out_c + (w_t * vv).sum(0)
-            hidden = self.finish(hidden, out.reshape(n, -1))
-            all_hidden.append(hidden)
+                tail_k.append(layout.to_padded(k))
+                tail_v.append(layout.to_padded(v))
+            empty = k0.new_zeros((0,) + tuple(k0.shape))
+            out = cache_tail_attention(layout.to_padded(q), k0, v0,
+                                       torch.stack(tail_k) if tail_k else empty,
+                                       torch.stack(tail_v) if tail_v else empty, scale)
+            hidden, final = post(hidden, layout.from_padded(out).reshape(n, -1), weights["w_o"],
+                                 weights["w_post_norm"], weights["w_gate_up"], weights["w_down"],
+                                 weights["w_final_norm"], cfg.rms_norm_eps)
+            all_hidden.append(final if normed else hidden)
             if compute_logits:
-                all_logits.append(self.logits(hidden))
+                all_logits.append(F.linear(final, self.lm_head.weight.to(dtype)))
         return all_logits, all_hidden
 
     @torch.no_grad()

@@ -8,9 +8,9 @@ draft's log-softmax over the draft vocab, on the rows step ``j`` is scored on.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from eagle3flow.draft_model import Eagle3Draft, PackedLayout
+from eagle3flow.soft_cross_entropy import linear_soft_cross_entropy
 
 
 def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 4096):
@@ -24,35 +24,107 @@ def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: 
     return torch.cat(probs), torch.cat(argmax)
 
 
+def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 8192):
+    """The teacher over the draft vocab, kept compact for :func:`soft_cross_entropy`:
+    logits ``[N, Vd]`` in the head's dtype, their logsumexp ``[N]`` float32, argmax ``[N]``."""
+    n = last.shape[0]
+    logits = last.new_empty((n, teacher_head.shape[0]), dtype=teacher_head.dtype)
+    lse = last.new_empty(n, dtype=torch.float32)
+    argmax = last.new_empty(n, dtype=torch.int64)
+    with torch.no_grad():
+        for a in range(0, n, chunk_rows):
+            chunk = torch.mm(last[a:a + chunk_rows].to(teacher_head.dtype), teacher_head.T,
+                             out=logits[a:a + chunk_rows])
+            lse[a:a + chunk_rows] = torch.logsumexp(chunk.float(), dim=-1)
+            argmax[a:a + chunk_rows] = chunk.argmax(-1)
+    return logits, lse, argmax
+
+
 def step_rows(layout: PackedLayout, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
     """Packed row indices that step ``step`` is scored on: index ``t+step+2`` exists and is masked in."""
     valid = layout.valid(step)
     n = loss_mask.numel()
     target = (torch.arange(n, device=loss_mask.device) + step + 2).clamp(max=n - 1)
-    return (valid & loss_mask[target]).nonzero().flatten()
+    return (valid & loss_mask[target].bool()).nonzero().flatten()
+
+
+def scored_rows(layout: PackedLayout, loss_mask: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    """:func:`step_rows` of every step at once: one host sync per batch instead of one a step."""
+    n = loss_mask.numel()
+    index = torch.arange(n, device=loss_mask.device)
+    mask = loss_mask.bool()
+    scored = torch.stack([layout.valid(j) & mask[(index + j + 2).clamp(max=n - 1)]
+                          for j in range(num_steps)])                       # [K, N]
+    counts = scored.sum(1).tolist()
+    flat = scored.flatten().nonzero().flatten()
+    return [rows - j * n for j, rows in enumerate(flat.split(counts))]
+
+
+class StepStats:
+    """Per-step ``(loss, accuracy, rows)`` kept on the device until first read.
+
+    ``tensor [K, 3]`` float32. Indexing or iterating copies it to the host once (a sync),
+    so a training loop that reads the stats only when it logs never waits for the GPU.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._rows: list[tuple[float, float, int]] | None = None
+
+    def _host(self) -> list[tuple[float, float, int]]:
+        if self._rows is None:
+            self._rows = [(loss, acc, int(rows)) for loss, acc, rows in self.tensor.tolist()]
+        return self._rows
+
+    def __getitem__(self, index):
+        return self._host()[index]
+
+    def __iter__(self):
+        return iter(self._host())
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
 
 
 def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
-             decay: float, autocast: bool):
-    """Weighted TTT loss (scalar) and per-step (loss, accuracy, rows) floats."""
+             decay: float, autocast: bool, denominators: list[int] | None = None):
+    """Weighted TTT loss (float32 scalar) and :class:`StepStats` (per-step loss, accuracy, rows).
+
+    ``denominators[j]`` (data parallelism, eagle3flow/train.py): divide step ``j``'s summed
+    cross-entropy by the scored rows of the whole global batch instead of this rank's
+    share's, so the gradients summed over ranks are those of the global batch's mean loss.
+
+    ``batch``: ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``, ``last [N, H]``,
+    ``loss_mask [N]``. The draft's logits are computed only on each step's scored rows, all
+    steps in one fused lm_head + soft cross-entropy that reads the teacher's rows in place
+    (eagle3flow/soft_cross_entropy.py).
+    One host sync (the scored-row counts); the stats stay on the device.
+    """
     layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], batch["input_ids"].device)
-    probs, argmax = teacher_targets(batch["last"], teacher_head)
+    rows_per_step = scored_rows(layout, batch["loss_mask"], num_steps)
+    counts = [rows.numel() for rows in rows_per_step]
+    t_logits, t_lse, t_argmax = teacher_logits(batch["last"], teacher_head)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        _, hiddens = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
-                                       num_steps, layout, compute_logits=False)
-    total = hiddens[0].new_zeros((), dtype=torch.float32)
-    stats = []
-    for j in range(num_steps):
-        rows = step_rows(layout, batch["loss_mask"], j)
-        if rows.numel() == 0:
-            stats.append((0.0, 0.0, 0))
-            continue
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits_j = model.logits(hiddens[j][rows])
-        logp = F.log_softmax(logits_j.float(), dim=-1)
-        target = rows + j + 1          # teacher for index t+j+2 is last[t+j+1]
-        loss_j = -(probs[target] * logp).sum(-1).mean()
-        total = total + (decay ** j) * loss_j
-        acc = (logp.argmax(-1) == argmax[target]).float().mean()
-        stats.append((float(loss_j.detach()), float(acc), int(rows.numel())))
-    return total, stats
+        _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
+                                      num_steps, layout, compute_logits=False, normed=True)
+    device = normed[0].device
+    stats = torch.zeros(num_steps, 3, device=device)
+    if sum(counts) == 0:
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
+    # Every step's scored rows through the lm_head and the loss at once: one GEMM per
+    # direction and one lm_head gradient instead of one per step.
+    x = torch.cat([normed[j].index_select(0, rows) for j, rows in enumerate(rows_per_step)])
+    # the teacher for index t+j+2 is last[t+j+1]
+    target = torch.cat([rows + j + 1 for j, rows in enumerate(rows_per_step)])
+    count_t = torch.tensor(counts, device=device, dtype=torch.float32)
+    step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long())
+    denominator = count_t if denominators is None else \
+        torch.tensor(denominators, device=device, dtype=torch.float32)
+    decays = torch.tensor([decay ** j for j in range(num_steps)], device=device, dtype=torch.float32)
+    row_scale = (decays / denominator.clamp(min=1))[step_id]
+    total, row_ce, hits = linear_soft_cross_entropy(x, model.lm_head.weight.to(x.dtype), t_logits, t_lse,
+                                                    target, t_argmax, row_scale)
+    stats[:, 0] = torch.zeros(num_steps, device=device).index_add_(0, step_id, row_ce) / denominator.clamp(min=1)
+    stats[:, 1] = torch.zeros(num_steps, device=device).index_add_(0, step_id, hits.float()) / count_t.clamp(min=1)
+    stats[:, 2] = count_t
+    return total, StepStats(stats)

@@ -68,3 +68,122 @@ def test_extract_train_export_on_cuda(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     torch.cuda.synchronize()
     print("peak GPU memory (MiB):", torch.cuda.max_memory_allocated() / 2**20)
+
+
+# ---- the fast TTT training path (eagle3flow/ttt_attention.py, soft_cross_entropy.py) against
+# the exact float32 path it replaces on CUDA
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tails", [(8, 2, 64, 0), (8, 2, 64, 3), (4, 4, 112, 2)])
+def test_flash_cache_tail_attention_matches_exact(heads, kv_heads, head_dim, tails):
+    from eagle3flow.ttt_attention import FlashCacheTailAttention, exact_cache_tail_attention
+
+    torch.manual_seed(heads + tails)
+    b, t = 3, 333                           # not a multiple of the kernel's tiles
+    shapes = [(b, t, heads, head_dim), (b, t, kv_heads, head_dim), (b, t, kv_heads, head_dim),
+              (tails, b, t, kv_heads, head_dim), (tails, b, t, kv_heads, head_dim)]
+    inputs = [(torch.randn(s, device="cuda") * 2).to(torch.bfloat16).requires_grad_() for s in shapes]
+    reference = [x.detach().double().requires_grad_() for x in inputs]
+    scale = head_dim ** -0.5
+    out = FlashCacheTailAttention.apply(*inputs, scale)
+    ref = exact_cache_tail_attention(*reference, scale)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-2
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+    for name, x, r in zip(["q", "k0", "v0", "k_tail", "v_tail"], inputs, reference):
+        if r.numel():
+            assert _rel(x.grad, r.grad) < 2e-2, name
+
+
+def test_triton_soft_cross_entropy_matches_reference():
+    from eagle3flow.soft_cross_entropy import soft_cross_entropy, soft_cross_entropy_reference
+
+    torch.manual_seed(0)
+    n_teacher, n, vocab = 50, 40, 32000
+    teacher = (torch.randn(n_teacher, vocab, device="cuda") * 3).to(torch.bfloat16)
+    lse = torch.logsumexp(teacher.float(), -1)
+    argmax = teacher.float().argmax(-1)
+    target = torch.randint(0, n_teacher, (n,), device="cuda")
+    logits = (torch.randn(n, vocab, device="cuda") * 3).to(torch.bfloat16)
+    logits[:10] = teacher[target[:10]]           # rows whose argmax agrees
+    fast_in = logits.clone().requires_grad_()
+    ref_in = logits.double().requires_grad_()
+    loss, correct = soft_cross_entropy(fast_in, teacher, lse, target, argmax, scale=0.25)
+    ref_loss, ref_correct = soft_cross_entropy_reference(ref_in, teacher.double(), lse.double(), target,
+                                                         argmax, scale=0.25)
+    assert int(correct) == int(ref_correct) >= 10
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-4)
+    (loss * 3).backward()
+    (ref_loss * 3).backward()
+    assert _rel(fast_in.grad, ref_in.grad) < 1e-2
+
+
+def test_ttt_loss_bf16_fast_path_tracks_fp32():
+    """ttt_loss under bf16 autocast (flash attention, Triton CE, folded weights) gives the loss
+    and gradients of the float32 exact path, on packed samples of unequal lengths."""
+    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+    from eagle3flow.loss import ttt_loss
+
+    cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=1024, vocab_size=1000,
+                      draft_vocab_size=600, aux_layer_ids=[1, 3, 5])
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    with torch.no_grad():
+        model.reset_parameters(std=0.05)
+        model.embed_tokens.weight.normal_()
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model = model.cuda()
+    lengths = [300, 97, 211]
+    n = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+    batch = {"aux": torch.randn(n, 3 * cfg.hidden_size, device="cuda"),
+             "last": torch.randn(n, cfg.hidden_size, device="cuda"),
+             "input_ids": torch.randint(0, cfg.vocab_size, (n,), device="cuda"),
+             "loss_mask": torch.rand(n, device="cuda") < 0.6, "cu_seqlens": cu}
+    head = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1
+    results = {}
+    for autocast in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss, stats = ttt_loss(model, batch, head.to(torch.bfloat16) if autocast else head, 4, 0.8, autocast)
+        loss.backward()
+        results[autocast] = (float(loss), [s[2] for s in stats],
+                             {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    (loss32, rows32, grads32), (loss16, rows16, grads16) = results[False], results[True]
+    assert rows32 == rows16 and min(rows32) > 0
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    assert set(grads16) == set(grads32)
+    for name in grads32:
+        assert _rel(grads16[name], grads32[name]) < 5e-2, name
+
+
+def test_fused_linear_soft_cross_entropy_matches_reference():
+    from eagle3flow.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy_reference
+
+    torch.manual_seed(1)
+    n, hidden, vocab = 300, 256, 32000
+    x = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 0.2).to(torch.bfloat16)
+    teacher = (torch.randn(400, vocab, device="cuda") * 3).to(torch.bfloat16)
+    lse, argmax = torch.logsumexp(teacher.float(), -1), teacher.float().argmax(-1)
+    target = torch.randint(0, 400, (n,), device="cuda")
+    scale = torch.rand(n, device="cuda")
+    fast = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    ref = [x.double().requires_grad_(), w.double().requires_grad_()]
+    loss, ce, hits = _TritonLinearSoftCE.apply(*fast, teacher, lse, target, argmax, scale, 128 * vocab)
+    ref_loss, ref_ce, ref_hits = linear_soft_cross_entropy_reference(*ref, teacher.double(), lse.double(),
+                                                                     target, argmax, scale.double())
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)
+    assert _rel(ce, ref_ce) < 1e-2 and float((hits == ref_hits).float().mean()) > 0.95
+    (loss * 2).backward()
+    (ref_loss * 2).backward()
+    for a, b in zip(fast, ref):
+        assert _rel(a.grad, b.grad) < 2e-2

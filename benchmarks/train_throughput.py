@@ -1,0 +1,282 @@
+"""Training throughput of the EAGLE-3 draft: tokens/s, MFU and peak memory of one full step.
+
+One step = ``eagle3flow.loss.ttt_loss`` (teacher lm_head forward, TTT forward over all
+steps, soft cross-entropy on the scored rows) + backward + grad-norm clipping + fused
+AdamW, exactly what eagle3flow/train.py runs per batch on one GPU. Weights and data
+are random and built on the GPU (nothing is downloaded).
+
+Settings:
+
+* ``llama8b``: a Llama-3.1-8B-shaped target (H 4096, 32/8 heads, head_dim 128,
+  intermediate 14336, vocab 128256, draft vocab 32000, 3 aux layers), batches of
+  ``--samples`` x ``--sample-tokens`` (default 4 x 2048 = 8192 tokens), 7 TTT steps;
+* ``kimi``: the Kimi-K2.5-shaped draft (DeepSeek-V3 text config nested under
+  ``text_config``, H 7168, 64 heads, vocab 163840, draft vocab 32000) as
+  ``DraftConfig.from_target_config`` derives it, at 4096 tokens, for its peak memory.
+
+Loss masks: ``ones`` (every predicted token scored: the headline, where no row is
+skipped) and ``chat`` (alternating user/assistant runs, ~60% assistant tokens: the
+lm_head and the loss run only on scored rows, so the same FLOP count is done faster).
+
+FLOPs per token: :func:`eagle3flow.flops.train_flops_per_token` (the trainer's own
+count): the draft's forward (fc, then per TTT step q/k/v/o, MLP, lm_head and
+attention) x 3 for forward + backward, plus the teacher's lm_head forward over the
+draft vocabulary. MFU = tokens/s x FLOPs/token / the bf16 matmul rate measured in the
+same run (``--matmul-size``^3 square product, best of several).
+
+    PYTHONPATH=$PWD python3 benchmarks/train_throughput.py --out results.json
+    PYTHONPATH=$PWD python3 benchmarks/train_throughput.py --quick     # CPU smoke run
+
+Data parallel (scaling): under ``torchrun --nproc-per-node G`` every rank runs its own
+batch of the same shape and the gradients are summed with the trainer's own
+``eagle3flow.distributed.sum_gradients`` before clipping and the optimizer step;
+``tokens_per_s`` is then the total over the G GPUs (rank 0 reports).
+
+    PYTHONPATH=$PWD torchrun --standalone --nproc-per-node 2 benchmarks/train_throughput.py --masks ones
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
+from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+from eagle3flow.flops import mean_causal_context, train_flops_per_token
+from eagle3flow.loss import ttt_loss
+
+LLAMA_8B = {
+    "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "num_hidden_layers": 32, "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+KIMI_K25 = {"model_type": "kimi_k25", "text_config": {
+    "model_type": "kimi_k2", "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "vocab_size": 163840, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+    "num_hidden_layers": 61, "rope_theta": 50000.0, "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}}
+# vLLM's default EAGLE-3 aux layers for L layers: (2, L // 2, L - 3)
+SETTINGS = {"llama8b": (LLAMA_8B, [2, 16, 29]), "kimi": (KIMI_K25, [2, 30, 58])}
+TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024,
+        "rope_theta": 10000.0}
+
+
+def chat_mask(length: int, generator: torch.Generator, assistant_share: float = 0.6) -> torch.Tensor:
+    """Bool ``[length]``: alternating user (False) / assistant (True) runs, ~60% assistant."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    pos, assistant = 0, False
+    turn = max(4, min(200, length // 8))       # mean run of a turn pair's half, in tokens
+    while pos < length:
+        mean = turn * (assistant_share if assistant else 1 - assistant_share) / 0.5
+        run = max(1, int(torch.randint(int(mean * 0.5), int(mean * 1.5) + 1, (1,), generator=generator)))
+        mask[pos:pos + run] = assistant
+        pos, assistant = pos + run, not assistant
+    return mask
+
+
+def build(setting: str, draft_vocab: int, device: torch.device, quick: bool):
+    """Model (fp32 master weights, frozen random embeddings, random vocab map) and the
+    teacher head ``[Vd, H]`` bf16, as eagle3flow/train.py builds them."""
+    target, aux_ids = (TINY, [1, 2, 3]) if quick else SETTINGS[setting]
+    cfg = DraftConfig.from_target_config(target, aux_ids, draft_vocab)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Eagle3Draft(cfg).to(device)       # rope buffers may be built on the CPU
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_()
+        kept = torch.randperm(cfg.vocab_size, device=device)[:cfg.draft_vocab_size].sort().values
+        model.t2d.zero_()
+        model.t2d[kept] = True
+        model.d2t.copy_(kept - torch.arange(cfg.draft_vocab_size, device=device))
+    teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    teacher_head = (torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device=device) * 0.02).to(teacher_dtype)
+    return model.train(), teacher_head
+
+
+def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, device: torch.device) -> dict:
+    g = torch.Generator().manual_seed(1)
+    n = samples * sample_tokens
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if mask == "ones":
+        loss_mask = torch.ones(n, dtype=torch.bool)
+    else:
+        loss_mask = torch.cat([chat_mask(sample_tokens, g) for _ in range(samples)])
+    return {
+        "aux": torch.randn(n, cfg.num_aux * cfg.target_hidden_size, device=device).to(dtype),
+        "last": torch.randn(n, cfg.hidden_size, device=device).to(dtype),
+        "input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device),
+        "loss_mask": loss_mask.to(device),
+        "cu_seqlens": torch.arange(0, n + 1, sample_tokens, dtype=torch.int64).to(device),
+    }
+
+
+def measure_matmul(device: torch.device, size: int, repeats: int = 10) -> float:
+    """bf16 ``size^3`` matmul FLOP/s on random data: best of ``repeats`` timed with events."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size ** 3 / min(times)
+
+
+def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int, device,
+             profile: bool = False, ctx: DistContext | None = None) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    autocast = device.type == "cuda"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss, stats = ttt_loss(model, batch, teacher_head, num_steps, 0.8, autocast)
+        loss.backward()
+        if ctx is not None and ctx.enabled:
+            sum_gradients(params, ctx)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return loss, stats
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        loss, stats = step()
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        loss, stats = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    result = {"step_s_median": statistics.median(times), "step_s_min": min(times),
+              "step_s_max": max(times), "warmup_s": warmup_s, "loss": float(loss),
+              "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]}
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        result["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    del optimizer
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default="llama8b", help="comma list of: llama8b, kimi")
+    ap.add_argument("--masks", default="ones,chat", help="comma list of: ones, chat")
+    ap.add_argument("--compile", default="off", help="comma list of: off, on (torch.compile of the step pieces)")
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--sample-tokens", type=int, default=2048)
+    ap.add_argument("--kimi-samples", type=int, default=1, help="samples of --kimi-sample-tokens for kimi")
+    ap.add_argument("--kimi-sample-tokens", type=int, default=4096)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--matmul-size", type=int, default=8192)
+    ap.add_argument("--profile", action="store_true", help="print a kernel profile of the first case")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--out", type=Path, help="write all results as JSON here")
+    args = ap.parse_args(argv)
+    ctx = init_distributed("auto")
+    device = ctx.device
+    if not ctx.is_main:                 # only rank 0 reports
+        args.out, args.profile = None, False
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    if args.quick:
+        args.samples, args.sample_tokens, args.kimi_sample_tokens, args.draft_vocab = 2, 64, 64, 100
+        args.warmup, args.iters = 1, 2
+    peak = measure_matmul(device, args.matmul_size)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "matmul_size": args.matmul_size,
+              "matmul_tflops": peak / 1e12, "ttt_steps": args.ttt_steps,
+              "world_size": ctx.world_size, "cases": []}
+    print(f"device {report['device']}, torch {torch.__version__}, bf16 {args.matmul_size}^3 matmul "
+          f"{peak / 1e12:.0f} TFLOP/s", file=sys.stderr)
+    first = True
+    for setting in args.settings.split(","):
+        model, teacher_head = build(setting, args.draft_vocab, device, args.quick)
+        cfg = model.config
+        samples, tokens = (args.kimi_samples, args.kimi_sample_tokens) if setting == "kimi" \
+            else (args.samples, args.sample_tokens)
+        flops = train_flops_per_token(cfg, args.ttt_steps, mean_causal_context([tokens] * samples))
+        for compiled in args.compile.split(","):
+            model.compile_steps = compiled == "on"
+            for mask in args.masks.split(","):
+                batch = make_batch(cfg, samples, tokens, mask, device)
+                n = batch["input_ids"].numel()
+                case = {"setting": setting, "mask": mask, "compile": compiled, "tokens": n,
+                        "samples": samples, "sample_tokens": tokens,
+                        "scored_fraction": float(batch["loss_mask"].float().mean()),
+                        "draft_config": cfg.to_dict(), "flops_per_token": flops}
+                try:
+                    case.update(run_case(model, teacher_head, batch, args.ttt_steps, args.warmup,
+                                         args.iters, device, profile=args.profile and first, ctx=ctx))
+                    case["tokens_per_s"] = ctx.world_size * n / case["step_s_median"]
+                    case["mfu"] = case["tokens_per_s"] * flops["total"] / peak
+                except Exception as exc:     # keep the other cases' numbers
+                    case["error"] = f"{type(exc).__name__}: {exc}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                first = False
+                if "profile" in case:
+                    print(case["profile"], file=sys.stderr)
+                report["cases"].append(case)
+                print(json.dumps({k: v for k, v in case.items() if k not in ("draft_config", "profile")}),
+                      file=sys.stderr, flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(report, indent=1))
+        del model, teacher_head
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(markdown_table(report))
+    ctx.close()
+    return 0
+
+
+def markdown_table(report: dict) -> str:
+    lines = [f"{report['device']}, torch {report['torch']}, bf16 {report['matmul_size']}^3 matmul "
+             f"{report['matmul_tflops']:.0f} TFLOP/s, {report['ttt_steps']} TTT steps, "
+             f"{report.get('world_size', 1)} GPU(s) data parallel (tokens/s is their total)", "",
+             "| setting | loss mask (scored) | compile | tokens/step | GFLOP/token | step (ms) | tokens/s | MFU | peak GPU memory (GiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in report["cases"]:
+        shape = f"{c['setting']} ({c['samples']} x {c['sample_tokens']})"
+        if "error" in c:
+            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c['tokens']} | | | | | {c['error'][:80]} |")
+            continue
+        lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c['tokens']} | "
+                     f"{c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_median'] * 1e3:.1f} | "
+                     f"{c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c.get('peak_memory_gib', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
