@@ -1,0 +1,927 @@
+"""The plan: per stage, what will run, the disk it will take, the time and GPU-hours it
+will cost, and after the run the same table with what it actually took.
+
+Everything here is cheap (no torch, no model): it runs at the top of every workflow
+run, before any job, from ``rules/plan.smk``.
+
+Disk, per stage, from the dataset stats when ``results/dataset/stats.json`` exists,
+else from an estimate of the raw dataset, and from the target's config.json:
+
+* hidden states: ``tokens x ((A+1) x H x dtype_bytes + 5)`` (A aux layers + the last
+  layer, plus int32 input_ids and uint8 loss_mask) for both splits;
+* training cache: ``(keep_checkpoints + 1) x draft_params x 12`` bytes (fp32 weights +
+  two Adam moments; one more checkpoint exists for a moment before the oldest is
+  deleted), plus ``draft_params x 4`` for ``results/train``;
+* export: ``draft_params x dtype_bytes`` plus the vocab map.
+
+A stage whose files already exist counts with their measured size. The projected peak
+is the sum over stages (every artifact stays until the end of the run) plus whatever
+else already lies in ``results/`` and ``cache/`` (old fingerprints count: they take
+the same disk).
+
+Time, per stage, from measured throughputs, best first: this results directory's last
+run (extraction's ``throughput.jsonl``, training's ``metrics.jsonl``, the rules'
+``results/benchmarks/*.tsv``) recorded per profile in ``results/plan/throughput.json``;
+the repo's ``benchmarks/*.json`` figures (``{"stage", "tokens_per_s", "gpus"}``); else
+a FLOP count at an assumed rate (said so in the table).
+
+The budget (config ``storage``): ``max_bytes`` caps the projected peak of
+``results/`` + ``cache/``; ``min_free_bytes`` is the free space that must be left on
+their filesystem after the bytes still to be written. A plan that does not fit is
+refused before any job runs, with the settings that would fit.
+
+CLI::
+
+    python -m eagle3flow.plan [--profile embedded] [--config KEY=VALUE ...]   # the plan, dry
+    python -m eagle3flow.plan sample-disk --path results --path cache --out F --pid PID
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# `python -m eagle3flow.plan` gets the workflow's resolved config through this file.
+PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
+
+# ----------------------------------------------------------------------------- stages
+
+# Stages in workflow order: rules (prefixes of rule names), GPU or not, the paths
+# (relative to results/ or cache/) whose bytes belong to it.
+STAGES = (
+    ("embedded target", ("build_embedded_target",), False, ("results/embedded",)),
+    ("prepare dataset", ("prepare_dataset",), False, ("results/dataset",)),
+    # Answers come from the live server, before any drain: not a GPU stage of this run.
+    ("regenerate", ("regenerate_responses",), False, ("results/regenerate", "cache/regenerate")),
+    ("extract", ("extract_hidden_states", "merge_hidden_states"), True,
+     ("results/hidden_states", "cache/hidden_states")),
+    ("vocab", ("build_vocab_map",), False, ("results/vocab",)),
+    ("train", ("train_draft",), True, ("results/train", "cache/train")),
+    ("export", ("export_draft",), False, ("results/draft",)),
+    ("evaluate", ("evaluate_draft",), True, ("results/eval",)),
+    ("report", ("build_report",), False, ("results/report",)),
+)
+# Cache directories holding one subdirectory per fingerprint, and how many of the newest
+# are this run's (extraction keeps one per split): a rerun resumes those, the rest is stale.
+FINGERPRINTED = {"cache/hidden_states": 2, "cache/train": 1, "cache/regenerate": 1}
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "float8_e4m3fn": 1, "fp8": 1}
+# fp8 shards keep one float32 scale per token and layer (eagle3flow/shards.py).
+FP8_SCALE_BYTES = 4
+# Per token besides the hidden states: int32 input_ids + uint8 loss_mask.
+TOKEN_OVERHEAD_BYTES = 5
+# fp32 weights + AdamW's exp_avg and exp_avg_sq, per trainable parameter.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+# Measured on the embedded default (2 cores): the stdlib-docstring corpus gives about
+# 59.4 tokens per requested conversation (237,744 for 4,000), its JSONL ~5.3 bytes per
+# token; the tokenized parquet ~1.7 bytes per token; the target build takes ~1.76 s
+# per pre-training step.
+EMBEDDED_TOKENS_PER_CONVERSATION = 59.4
+EMBEDDED_JSONL_BYTES_PER_TOKEN = 5.26
+RAW_BYTES_PER_TOKEN = 4.0          # a raw chat JSON/JSONL file, roughly, when nothing is measured
+PARQUET_BYTES_PER_TOKEN = 1.7
+EMBEDDED_BUILD_S_PER_STEP = 1.76
+# Effective FLOP/s when nothing is measured: CPU from the embedded default's extraction
+# (2 x 4.7M params x 2,900 tokens/s) and training (6 x 0.76M x 7 x 1,500 tokens/s);
+# GPU an assumed 40% of a dense bf16 H100/H200 per GPU.
+ASSUMED_FLOPS = {("cpu", "extract"): 2.7e10, ("cpu", "train"): 4.8e10,
+                 ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
+# Seconds of the small stages when this directory has never run them.
+ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0}
+ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
+ASSUMED_SERVER_TOKENS_PER_S = 2000
+
+
+@dataclass
+class StageRow:
+    """One line of the plan."""
+    name: str
+    gpu: bool
+    status: str                 # "run", "cached", "skip" (not needed by the targets)
+    bytes: int                  # projected bytes this stage's paths hold at the end
+    bytes_basis: str
+    seconds: float
+    time_basis: str
+    jobs: int = 0               # jobs Snakemake will run for it
+    actual_bytes: int | None = None
+    actual_seconds: float | None = None
+
+
+@dataclass
+class Plan:
+    stages: list[StageRow]
+    other_bytes: int            # results/ and cache/ bytes no stage accounts for
+    peak_bytes: int             # projected peak of results/ + cache/
+    to_write_bytes: int         # bytes still to be written by stages that run
+    gpus: int
+    drain: bool
+    workload: dict
+    profile_key: str
+    refusal: str | None = None
+    actual_peak_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return sum(s.seconds for s in self.stages if s.gpu and s.status == "run")
+
+    @property
+    def downtime_seconds(self) -> float:
+        """With a drain: from the first GPU stage that runs to the last one (CPU stages in
+        between, like export, keep the unit down too); else nothing is drained."""
+        if not self.drain:
+            return 0.0
+        running = [i for i, s in enumerate(self.stages) if s.status == "run"]
+        gpu_running = [i for i in running if self.stages[i].gpu]
+        if not gpu_running:
+            return 0.0
+        lo, hi = gpu_running[0], gpu_running[-1]
+        return sum(self.stages[i].seconds for i in running if lo <= i <= hi)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.update(gpu_hours=self.gpu_seconds * max(self.gpus, 1) / 3600 if self.gpus else 0.0,
+                    downtime_s=self.downtime_seconds)
+        return data
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def tree_bytes(path: str | os.PathLike) -> int:
+    """Apparent size of every regular file under ``path`` (``du -sb``), 0 if missing.
+
+    Files vanishing while walked (a shard renamed, a checkpoint deleted) are skipped.
+    """
+    total, stack = 0, [str(path)]
+    while stack:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            try:
+                st = os.stat(top)
+                total += st.st_size if os.path.isfile(top) else 0
+            except OSError:
+                pass
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                pass
+    return total
+
+
+def newest_subdirs_bytes(path: Path, count: int) -> int:
+    """Bytes of the ``count`` most recently modified subdirectories (this run's
+    fingerprints, when it resumes or reruns unchanged)."""
+    try:
+        subdirs = sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return 0
+    return sum(tree_bytes(p) for p in subdirs[-count:])
+
+
+def layout(config: dict) -> dict:
+    """Stage path prefixes ("results/...", "cache/...") -> real paths under the config's dirs."""
+    paths = config.get("paths", {})
+    return {"results": paths.get("results", "results"), "cache": paths.get("cache", "cache")}
+
+
+def real_path(rel: str, config: dict, root: Path) -> Path:
+    top, _, rest = rel.partition("/")
+    return root / layout(config)[top] / rest
+
+
+def measure(config: dict, root: Path) -> tuple[dict[str, int], int]:
+    """Bytes now held per stage, and the results/ + cache/ total."""
+    per_stage = {name: sum(tree_bytes(real_path(p, config, root)) for p in paths)
+                 for name, _, _, paths in STAGES}
+    total = sum(tree_bytes(root / d) for d in set(layout(config).values()))
+    return per_stage, total
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def format_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def parse_bytes(value) -> int | None:
+    """``123``, ``"500GB"``, ``"1.5 TiB"`` -> bytes; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtpKMGTP]?)(i?)[bB]?\s*", str(value))
+    if not m:
+        raise ValueError(f"storage: cannot read {value!r} as a size (e.g. 500GB, 1.5TiB, 1000000)")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGTP".index(m.group(2).upper() or " "))
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def target_config(config: dict, root: Path) -> tuple[dict, str]:
+    """The target's text config and where it came from (the embedded one's shape before it is built)."""
+    path = config["target"]["path"]
+    target_dir = Path(path) if path else root / layout(config)["results"] / "embedded" / "target"
+    if not target_dir.is_absolute():
+        target_dir = root / target_dir
+    cfg_file = target_dir / "config.json"
+    if cfg_file.is_file():
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+        text = dict(cfg.get("text_config") or cfg)
+        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+        return text, str(cfg_file)
+    if path:
+        raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
+                                "target's hidden size and layer count")
+    from eagle3flow.embedded import TargetShape  # light: no torch at import
+    shape = asdict(TargetShape())
+    return {**shape, "tie_word_embeddings": False, "torch_dtype": "float32"}, "embedded shape"
+
+
+def workload(config: dict, root: Path) -> dict:
+    """Samples and tokens per split (after max_length), and where the numbers came from."""
+    results = root / layout(config)["results"]
+    stats_file = results / "dataset" / "stats.json"
+    if stats_file.is_file():
+        with open(stats_file) as f:
+            splits = json.load(f)["splits"]
+        return {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
+                "train_samples": int(splits["train"]["samples"]),
+                "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file)}
+    ds = config["dataset"]
+    max_samples = ds.get("max_samples")
+    if ds["path"] is None:
+        conversations = config["embedded"]["max_conversations"]
+        tokens = conversations * EMBEDDED_TOKENS_PER_CONVERSATION
+        samples = conversations
+        basis = f"estimate: {conversations} embedded conversations x {EMBEDDED_TOKENS_PER_CONVERSATION} tokens"
+    else:
+        src = Path(ds["path"]) if Path(ds["path"]).is_absolute() else root / ds["path"]
+        if not src.exists():
+            raise FileNotFoundError(
+                f"{src}: dataset.path not found locally; run prepare_dataset first "
+                "(`snakemake --profile P prepare_dataset`) so the plan can use its stats")
+        raw = tree_bytes(src)
+        tokens = raw / RAW_BYTES_PER_TOKEN
+        samples = max(1, int(tokens / 500))
+        basis = f"estimate: {format_bytes(raw)} of raw data / {RAW_BYTES_PER_TOKEN} bytes per token"
+    if max_samples and max_samples < samples:
+        tokens, samples = tokens * max_samples / samples, max_samples
+    tokens = min(tokens, samples * ds["max_length"])
+    eval_tokens = tokens * ds["eval_fraction"]
+    eval_samples = int(samples * ds["eval_fraction"])
+    return {"train_tokens": int(tokens - eval_tokens), "eval_tokens": int(eval_tokens),
+            "train_samples": samples - eval_samples, "eval_samples": eval_samples, "basis": basis}
+
+
+def aux_layer_count(config: dict, target: dict) -> int:
+    ids = config["extract"].get("aux_layer_ids")
+    return len(ids) if ids else 3
+
+
+def storage_dtype(config: dict) -> str:
+    """The dtype shards are written in: extract.storage_dtype (fp8) when set, else
+    extract.dtype (auto = float32 on CPU, bfloat16 on GPU)."""
+    ext = config["extract"]
+    chosen = ext.get("storage_dtype") or "auto"
+    if chosen in ("fp8", "float8_e4m3fn"):
+        return "float8_e4m3fn"
+    chosen = ext.get("dtype", "auto")
+    if chosen == "auto":
+        return "bfloat16" if uses_gpu(config, ext.get("device", "auto")) else "float32"
+    return chosen
+
+
+def uses_gpu(config: dict, device: str) -> bool:
+    if device == "auto":
+        return config["resources"]["gpus"] > 0
+    return device.startswith("cuda")
+
+
+def hidden_state_bytes_per_token(aux: int, hidden: int, dtype: str) -> int:
+    """Bytes one token takes in a shard: ``(A+1) x H`` hidden values (+ a scale per layer in
+    fp8) + input_ids + loss_mask; the same as eagle3flow.shards.bytes_per_token, without torch."""
+    scales = FP8_SCALE_BYTES if DTYPE_BYTES[dtype] == 1 else 0
+    return (aux + 1) * (hidden * DTYPE_BYTES[dtype] + scales) + TOKEN_OVERHEAD_BYTES
+
+
+def draft_shape(target: dict, overrides: dict) -> dict:
+    """The draft's dimensions as DraftConfig.from_target_config derives them (eagle3flow/draft_model.py)."""
+    hidden = int(target["hidden_size"])
+    heads = int(target["num_attention_heads"])
+    is_mla = "kv_lora_rank" in target or str(target.get("model_type", "")).startswith("deepseek")
+    shape = {"hidden_size": hidden, "num_attention_heads": heads,
+             "num_key_value_heads": int(target.get("num_key_value_heads") or heads),
+             "head_dim": hidden // heads if is_mla else int(target.get("head_dim") or hidden // heads),
+             "intermediate_size": int(target["intermediate_size"])}
+    shape.update({k: v for k, v in (overrides or {}).items() if k in shape})
+    return shape
+
+
+def draft_trainable_params(target: dict, aux: int, draft_vocab: int, overrides: dict) -> int:
+    """Trainable parameters of the EAGLE-3 draft (Eagle3Draft minus the frozen embeddings):
+    fc ``[H, A*Ht]``, one decoder layer whose attention reads ``2H``, four RMSNorms, lm_head ``[Vd, H]``."""
+    d = draft_shape(target, overrides)
+    h, hd = d["hidden_size"], d["head_dim"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    attention = 2 * h * q + 2 * (2 * h * kv) + q * h
+    mlp = 3 * h * d["intermediate_size"]
+    return aux * int(target["hidden_size"]) * h + attention + mlp + 4 * h + h * draft_vocab
+
+
+def target_params(target: dict) -> tuple[int, int]:
+    """(total, active per token) parameters of a Llama/Qwen/DeepSeek-style target, roughly."""
+    h, layers, vocab = int(target["hidden_size"]), int(target["num_hidden_layers"]), int(target["vocab_size"])
+    heads = int(target["num_attention_heads"])
+    hd = int(target.get("head_dim") or h // heads)
+    kv = int(target.get("num_key_value_heads") or heads)
+    attention = h * heads * hd * 2 + 2 * h * kv * hd
+    dense_mlp = 3 * h * int(target["intermediate_size"])
+    experts = int(target.get("n_routed_experts") or target.get("num_experts") or 0)
+    if experts:
+        moe_i = int(target.get("moe_intermediate_size") or target["intermediate_size"])
+        shared = int(target.get("n_shared_experts") or 0)
+        per_tok = int(target.get("num_experts_per_tok") or 1)
+        mlp_total, mlp_active = 3 * h * moe_i * (experts + shared), 3 * h * moe_i * (per_tok + shared)
+    else:
+        mlp_total = mlp_active = dense_mlp
+    embed = vocab * h * (1 if target.get("tie_word_embeddings") else 2)
+    return embed + layers * (attention + mlp_total), embed + layers * (attention + mlp_active)
+
+
+# ----------------------------------------------------------------------------- throughputs
+
+def profile_key(config: dict) -> str:
+    """What throughputs are comparable across: the GPU count and the stages' devices."""
+    return (f"gpus={config['resources']['gpus']},extract={config['extract'].get('device', 'auto')},"
+            f"train={config['train'].get('device', 'auto')}")
+
+
+def _benchmark_seconds(path: Path) -> float | None:
+    try:
+        with open(path) as f:
+            lines = f.read().strip().splitlines()
+        return float(lines[-1].split("\t")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def measured_throughputs(config: dict, root: Path) -> dict:
+    """From this directory's last run: extraction and training tokens/s, each rule's seconds."""
+    results = root / layout(config)["results"]
+    found: dict = {"seconds": {}}
+    tokens = seconds = 0.0
+    for path in (results / "hidden_states").rglob("*throughput.jsonl"):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    tokens += row["num_tokens"]
+                    seconds += row["compute_s"]
+                except (ValueError, KeyError):
+                    continue
+    if tokens and seconds:
+        found["extract_tokens_per_s"] = tokens / seconds
+    rates = []
+    metrics = results / "train" / "metrics.jsonl"
+    if metrics.is_file():
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    rates.append(float(json.loads(line)["tokens_per_s"]))
+                except (ValueError, KeyError):
+                    continue
+    if rates:
+        found["train_tokens_per_s"] = sorted(rates)[len(rates) // 2]
+    for tsv in (results / "benchmarks").glob("*.tsv"):
+        s = _benchmark_seconds(tsv)
+        if s is not None:
+            found["seconds"][tsv.stem] = s
+    return found
+
+
+def recorded_throughputs(config: dict, root: Path) -> dict:
+    """Throughputs of earlier runs of this profile (results/plan/throughput.json)."""
+    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    try:
+        with open(path) as f:
+            return json.load(f).get(profile_key(config), {})
+    except (OSError, ValueError):
+        return {}
+
+
+def benchmark_figures(root: Path, gpus: int) -> dict:
+    """tokens/s per stage from the repo's benchmarks/*.json: objects (or lists of them)
+    with ``stage`` ("extract"/"train"), ``tokens_per_s`` and ``gpus``; the closest GPU count wins."""
+    best: dict = {}
+    for path in sorted((root / "benchmarks").glob("*.json")):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for row in data if isinstance(data, list) else [data]:
+            if not isinstance(row, dict) or "stage" not in row or "tokens_per_s" not in row:
+                continue
+            stage, row_gpus = row["stage"], int(row.get("gpus", 0))
+            if (row_gpus > 0) != (gpus > 0):
+                continue
+            # Scale linearly with the GPU count (data parallel).
+            rate = float(row["tokens_per_s"]) * (gpus / row_gpus if row_gpus and gpus else 1)
+            distance = abs(row_gpus - gpus)
+            if stage not in best or distance < best[stage][1]:
+                best[stage] = (rate, distance, path.name)
+    return {stage: (rate, name) for stage, (rate, _, name) in best.items()}
+
+
+def record_throughputs(config: dict, root: Path) -> None:
+    """After a run: keep its throughputs (and the tokens they were measured on) for this
+    profile, so the next plan uses them."""
+    measured = measured_throughputs(config, root)
+    work = workload(config, root)
+    if work["basis"].endswith("stats.json"):
+        measured["tokens"] = work["train_tokens"] + work["eval_tokens"]
+    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    previous = data.get(profile_key(config), {})
+    merged = {**previous, **{k: v for k, v in measured.items() if k != "seconds"},
+              "seconds": {**previous.get("seconds", {}), **measured["seconds"]},
+              "recorded_at": time.time()}
+    data[profile_key(config)] = merged
+    write_json(path, data)
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- projection
+
+def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
+    """The plan for ``config`` (validated, defaults filled) in workflow directory ``root``.
+
+    ``will_run``: jobs per rule Snakemake will run (its DAG); None = judge each stage by
+    whether its files exist.
+    """
+    root = Path(root)
+    target, target_basis = target_config(config, root)
+    work = workload(config, root)
+    gpus = int(config["resources"]["gpus"])
+    device_class = "gpu" if gpus > 0 else "cpu"
+    aux = aux_layer_count(config, target)
+    hidden = int(target["hidden_size"])
+    dtype = storage_dtype(config)
+    per_token = hidden_state_bytes_per_token(aux, hidden, dtype)
+    tokens = work["train_tokens"] + work["eval_tokens"]
+    samples = work["train_samples"] + work["eval_samples"]
+    draft_vocab = min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"]))
+    train_cfg = config["train"]
+    draft_params = draft_trainable_params(target, aux, draft_vocab, train_cfg.get("draft", {}))
+    total_params, active_params = target_params(target)
+    target_dtype = str(target.get("torch_dtype") or target.get("dtype") or "bfloat16").replace("torch.", "")
+    export_bytes_per_param = 4 if target_dtype == "float32" else 2
+    vocab_map_bytes = draft_vocab * 8 + int(target["vocab_size"])
+
+    measured = measured_throughputs(config, root)
+    recorded = recorded_throughputs(config, root)
+    figures = benchmark_figures(root, gpus)
+    seconds_of = {**measured["seconds"], **recorded.get("seconds", {})}
+
+    def rate(stage: str, flops_per_token: float) -> tuple[float, str]:
+        key = f"{stage}_tokens_per_s"
+        if recorded.get(key):
+            return recorded[key], f"last run ({profile_key(config)})"
+        if key in measured:
+            return measured[key], "last run in results/"
+        if stage in figures:
+            return figures[stage][0], f"benchmarks/{figures[stage][1]}"
+        flops = ASSUMED_FLOPS[(device_class, stage)] * max(gpus, 1)
+        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s"
+
+    def scaled_seconds(rule: str, now_tokens: float, fallback: float, fallback_basis: str):
+        """A small stage's seconds from its last benchmark, scaled by tokens when known."""
+        if rule in seconds_of:
+            then = recorded.get("tokens")
+            factor = now_tokens / then if then and now_tokens else 1.0
+            return seconds_of[rule] * factor, "last run"
+        return fallback, fallback_basis
+
+    # --- projected bytes and seconds per stage
+    proj: dict[str, tuple[int, str, float, str]] = {}
+    emb = config["embedded"]
+    using_embedded = config["target"]["path"] is None or config["dataset"]["path"] is None
+    if using_embedded:
+        emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
+        b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
+        s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_S_PER_STEP,
+                               f"assumed {EMBEDDED_BUILD_S_PER_STEP}s/step")
+        proj["embedded target"] = (b, f"{total_params / 1e6:.1f}M fp32 params + conversations", s, sb)
+    if (config.get("regenerate") or {}).get("enabled"):
+        proj["regenerate"] = (int(tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN * 2), "new answers (JSONL)",
+                              *scaled_seconds("regenerate_responses", tokens, tokens / ASSUMED_SERVER_TOKENS_PER_S,
+                                              f"assumed {ASSUMED_SERVER_TOKENS_PER_S:,} tokens/s from the server"))
+    s, sb = scaled_seconds("prepare_dataset", tokens, ASSUMED_SECONDS["prepare dataset"], "assumed")
+    proj["prepare dataset"] = (int(tokens * PARQUET_BYTES_PER_TOKEN) + samples * 300,
+                               f"{tokens:,} tokens x {PARQUET_BYTES_PER_TOKEN} B + prompts", s, sb)
+    # Hidden states: both splits; shard headers hold the sample ids.
+    hs_bytes = tokens * per_token + samples * 40
+    r, rb = rate("extract", 2 * active_params)
+    proj["extract"] = (hs_bytes, f"{tokens:,} tokens x {per_token:,} B ({aux}+1 x {hidden} x {dtype})",
+                       tokens / r, f"{r:,.0f} tokens/s, {rb}")
+    proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
+                     *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
+    keep = int(train_cfg.get("keep_checkpoints", 2))
+    checkpoint = draft_params * CHECKPOINT_BYTES_PER_PARAM
+    train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
+    steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
+    metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
+    r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
+    proj["train"] = ((keep + 1) * checkpoint + draft_params * 4 + metrics_bytes,
+                     f"{draft_params / 1e6:.2f}M draft params x 12 B x ({keep}+1) checkpoints + weights",
+                     train_tokens / r, f"{r:,.0f} tokens/s, {rb}")
+    proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
+                      f"draft in {'float32' if export_bytes_per_param == 4 else 'bfloat16'}",
+                      *scaled_seconds("export_draft", 0, ASSUMED_SECONDS["export"], "assumed"))
+    ev = config["evaluate"]
+    n_prompts = ev.get("num_prompts") or work["eval_samples"]
+    proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests",
+                        *scaled_seconds("evaluate_draft", 0, ASSUMED_EVALUATE_S[device_class], "assumed"))
+    proj["report"] = (600_000, "plots and tables",
+                      *scaled_seconds("build_report", 0, ASSUMED_SECONDS["report"], "assumed"))
+
+    # --- status per stage, measured bytes, the peak
+    now_per_stage, now_total = measure(config, root)
+    results = root / layout(config)["results"]
+    rows, accounted, to_write = [], 0, 0
+    for name, prefixes, gpu, paths in STAGES:
+        if name not in proj:
+            if now_per_stage[name]:
+                accounted += now_per_stage[name]
+            continue
+        b, bb, s, sb = proj[name]
+        existing = now_per_stage[name]
+        done = stage_outputs_exist(name, results)
+        if will_run is not None:
+            jobs = sum(n for rule, n in will_run.items() if rule.startswith(prefixes))
+            # Not in the DAG and never made: the targets asked for do not need it.
+            status = "run" if jobs else "cached" if done else "skip"
+        else:
+            jobs = 0 if done else 1
+            status = "cached" if done else "run"
+        if status == "skip":
+            final, s = existing, 0.0
+        elif status == "cached":
+            final = existing or b
+        else:
+            # What a stage rewrites in results/ is replaced; its cache keeps old fingerprints
+            # and resumes the newest (taken as this run's partial work).
+            stale = sum(tree_bytes(real_path(p, config, root)) for p in paths if p.startswith("cache/"))
+            current = sum(newest_subdirs_bytes(real_path(p, config, root), FINGERPRINTED[p])
+                          for p in paths if p in FINGERPRINTED)
+            final = stale + max(0, b - current)
+            to_write += max(0, final - existing)
+        accounted += existing
+        rows.append(StageRow(name, gpu, status, int(final), bb, float(s), sb, jobs))
+    other = max(0, now_total - accounted)
+    peak = other + sum(r.bytes for r in rows)
+    plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
+                {**work, "target": target_basis, "draft_params": draft_params,
+                 "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
+                 "aux_layers": aux, "hidden_size": hidden,
+                 "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
+    plan.refusal = budget_refusal(plan, config, root)
+    return plan
+
+
+def check_when_read(config: dict, root: str | os.PathLike) -> str | None:
+    """When the workflow is read: the budget refusal of the whole run, or None.
+
+    Under ``python -m eagle3flow.plan`` ($PLAN_CONFIG_ENV set) the resolved config
+    (profile, --config, schema defaults) is also handed back through that file.
+    """
+    if os.environ.get(PLAN_CONFIG_ENV):
+        write_json(Path(os.environ[PLAN_CONFIG_ENV]), config)
+    return try_project(config, root)[1]
+
+
+def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] | None = None):
+    """(plan, refusal). A plan that cannot be made (the target's config.json or the dataset
+    not here yet) is a refusal only when a budget is set; else a warning and (None, None)."""
+    try:
+        plan = project(config, root, will_run)
+    except (OSError, KeyError, ValueError) as error:
+        storage = config.get("storage") or {}
+        if storage.get("max_bytes") is not None or parse_bytes(storage.get("min_free_bytes")):
+            return None, f"storage budget: cannot project the disk this run needs: {error}"
+        print(f"eagle3flow.plan: no plan ({error})", file=sys.stderr)
+        return None, None
+    return plan, plan.refusal
+
+
+def stage_outputs_exist(name: str, results: Path) -> bool:
+    """Without Snakemake's DAG: a stage counts as done when its last declared output exists."""
+    marker = {"embedded target": "embedded/build_stats.json", "prepare dataset": "dataset/stats.json",
+              "extract": "hidden_states/eval/manifest.json", "vocab": "vocab/stats.json",
+              "train": "train/eval.json", "export": "draft/model.safetensors",
+              "evaluate": "eval/summary.json", "report": "report/report.json"}.get(name)
+    return marker is not None and (results / marker).is_file()
+
+
+# ----------------------------------------------------------------------------- budget
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def budget_refusal(plan: Plan, config: dict, root: Path) -> str | None:
+    """Why the plan does not fit the storage budget, with what would; None when it fits."""
+    storage = config.get("storage") or {}
+    max_bytes = parse_bytes(storage.get("max_bytes"))
+    min_free = parse_bytes(storage.get("min_free_bytes")) or 0
+    problems = []
+    if not plan.to_write_bytes:
+        return None                     # nothing left to write: nothing to refuse
+    if max_bytes is not None and plan.peak_bytes > max_bytes:
+        problems.append(f"the projected peak of results/ + cache/ is {format_bytes(plan.peak_bytes)}, "
+                        f"over storage.max_bytes = {format_bytes(max_bytes)}")
+    cache_dir = root / layout(config)["cache"]
+    free = free_bytes(cache_dir)
+    if free - plan.to_write_bytes < min_free:
+        problems.append(f"{format_bytes(plan.to_write_bytes)} are still to be written but "
+                        f"{cache_dir} has {format_bytes(free)} free and storage.min_free_bytes "
+                        f"= {format_bytes(min_free)} must stay free")
+    if not problems:
+        return None
+    # The largest peak that would pass both checks.
+    allowed = min(x for x in (max_bytes, free - min_free + plan.peak_bytes - plan.to_write_bytes)
+                  if x is not None)
+    return "storage budget: " + "; ".join(problems) + ".\n" + "\n".join(
+        "  - " + s for s in what_would_fit(plan, config, allowed))
+
+
+def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
+    """Settings under which the plan's peak would be at most ``allowed`` bytes."""
+    hs = plan.workload["hidden_state_bytes"]
+    fixed = plan.peak_bytes - next(s.bytes for s in plan.stages if s.name == "extract")
+    per_token = plan.workload["hidden_state_bytes_per_token"]
+    samples = plan.workload["train_samples"] + plan.workload["eval_samples"]
+    out = []
+    room = allowed - fixed
+    if room <= 0:
+        out.append(f"even without hidden states the run takes {format_bytes(fixed)}: raise the budget "
+                   "or free space (old fingerprints in cache/ can be deleted by hand)")
+        return out
+    fraction = room / hs
+    if fraction < 1:
+        fit = int(samples * fraction)
+        out.append(f"fewer samples: dataset.max_samples: {fit} (of {samples}) would need "
+                   f"{format_bytes(fixed + hs * fit / samples)}")
+    w = plan.workload
+    if "storage_dtype" in config["extract"] and DTYPE_BYTES[w["storage_dtype"]] > 1:
+        fp8 = hs * hidden_state_bytes_per_token(w["aux_layers"], w["hidden_size"], "fp8") / per_token
+        verdict = "fits" if fixed + fp8 <= allowed else "still does not fit"
+        out.append(f"fp8 shards: extract.storage_dtype: fp8 would need "
+                   f"{format_bytes(fixed + fp8)} ({verdict})")
+    partitions = max(2, math.ceil(hs / max(room / 2, 1)))
+    out.append(f"streaming: {partitions} partitions, at most 2 on disk at a time, would need "
+               f"~{format_bytes(fixed + 2 * hs / partitions)} (streaming partitions are not built yet: "
+               "issue #8)")
+    out.append(f"or raise storage.max_bytes to {format_bytes(plan.peak_bytes * 1.05)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- table
+
+def render(plan: Plan, actual: bool = False) -> str:
+    """The plan as a text table; with ``actual`` the measured columns beside the projected."""
+    head = ["stage", "status", "disk", "time", "GPU-h"]
+    if actual:
+        head[3:3] = ["disk (actual)"]
+        head[5:5] = ["time (actual)"]
+    lines = []
+    gpu_factor = max(plan.gpus, 1) if plan.gpus else 0
+    for s in plan.stages:
+        status = s.status if s.status != "run" or not s.jobs or s.jobs == 1 else f"run ({s.jobs} jobs)"
+        cells = [s.name + (" [GPU]" if s.gpu else ""), status, format_bytes(s.bytes),
+                 format_seconds(s.seconds),
+                 f"{s.seconds * gpu_factor / 3600:.2f}" if s.gpu and gpu_factor else "-"]
+        if actual:
+            cells[3:3] = [format_bytes(s.actual_bytes)]
+            cells[5:5] = [format_seconds(s.actual_seconds)]
+        lines.append(cells)
+    widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    out = ["=== plan (eagle3flow.plan) ===", fmt(head), fmt(["-" * w for w in widths])]
+    out += [fmt(r) for r in lines]
+    run_s = sum(s.seconds for s in plan.stages if s.status == "run")
+    out.append(f"peak disk (results/ + cache/): {format_bytes(plan.peak_bytes)} projected"
+               + (f", {format_bytes(plan.actual_peak_bytes)} measured" if plan.actual_peak_bytes else "")
+               + f"; still to write {format_bytes(plan.to_write_bytes)}"
+               + (f"; already there, outside the stages: {format_bytes(plan.other_bytes)}" if plan.other_bytes else ""))
+    out.append(f"time of the stages that run: {format_seconds(run_s)} (one after another); "
+               f"GPU-hours: {plan.gpu_seconds * gpu_factor / 3600:.2f} on {plan.gpus} GPU(s); "
+               + (f"production downtime: {format_seconds(plan.downtime_seconds)} (GPU stages behind the drain)"
+                  if plan.drain else "no production service drained"))
+    w = plan.workload
+    out.append(f"from: {w['train_tokens']:,} train + {w['eval_tokens']:,} eval tokens ({w['basis']}); "
+               f"target {w['target']}; {w['hidden_state_bytes_per_token']:,} B/token of hidden states "
+               f"({w['storage_dtype']}); draft {w['draft_params']:,} trainable params")
+    for s in plan.stages:
+        out.append(f"  {s.name}: disk = {s.bytes_basis}; time = {s.time_basis}")
+    out += plan.notes
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- after the run
+
+def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Plan:
+    """Measured bytes per stage and the rules' seconds (results/benchmarks) beside the projection."""
+    per_stage, total = measure(config, root)
+    seconds = measured_throughputs(config, root)["seconds"]
+    for s in plan.stages:
+        s.actual_bytes = per_stage[s.name]
+        prefixes = next(p for n, p, _, _ in STAGES if n == s.name)
+        ran = [v for rule, v in seconds.items() if rule.startswith(prefixes)]
+        s.actual_seconds = sum(ran) if ran else None
+    plan.actual_peak_bytes = max(peak or 0, total)
+    return plan
+
+
+# ----------------------------------------------------------------------------- disk sampler
+
+def sample_disk(paths: list[str], out: Path, pid: int, interval: float = 1.0) -> int:
+    """Sum the bytes under ``paths`` every ``interval`` s while process ``pid`` lives;
+    keep the peak in ``out`` (JSON: peak_bytes, at, samples). Returns the peak."""
+    peak, samples, start = 0, 0, time.time()
+    while True:
+        alive = pid_alive(pid)
+        total = sum(tree_bytes(p) for p in paths)
+        samples += 1
+        if total > peak or samples == 1:
+            peak = max(peak, total)
+            write_json(out, {"peak_bytes": peak, "at": time.time(), "started": start,
+                              "samples": samples, "paths": paths})
+        if not alive:
+            write_json(out, {"peak_bytes": peak, "at": time.time(), "started": start,
+                              "samples": samples, "paths": paths, "finished": True})
+            return peak
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (our parent exited but was not reaped) is dead too.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def start_sampler(paths: list[str], out: Path, pid: int, interval: float, log: Path) -> subprocess.Popen:
+    """The sampler as a detached process (it outlives nothing: it stops when ``pid`` ends)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "eagle3flow.plan", "sample-disk", "--out", str(out),
+           "--pid", str(pid), "--interval", str(interval)]
+    for p in paths:
+        cmd += ["--path", p]
+    with open(log, "a") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def read_peak(path: Path) -> int | None:
+    try:
+        with open(path) as f:
+            return int(json.load(f)["peak_bytes"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+JOB_STATS_ROW = re.compile(r"^(\S+)\s+(\d+)\s*$")
+
+
+def parse_job_stats(text: str) -> dict[str, int]:
+    """Jobs per rule from Snakemake's dry-run "Job stats" table."""
+    counts, in_table = {}, False
+    for line in text.splitlines():
+        if line.startswith("Job stats"):
+            in_table = True
+            continue
+        if in_table:
+            m = JOB_STATS_ROW.match(line.strip())
+            if m and m.group(1) != "total":
+                counts[m.group(1)] = int(m.group(2))
+            elif line.strip().startswith("total"):
+                break
+    return counts
+
+
+def plan_via_snakemake(snakemake_args: list[str], workdir: Path) -> tuple[Plan | None, str, int]:
+    """Ask Snakemake (dry run) what will run; the workflow hands its resolved config back
+    through $EAGLE3FLOW_PLAN_CONFIG (rules/plan.smk). Returns the plan, output, return code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config_out = Path(tmp) / "config.json"
+        env = {**os.environ, PLAN_CONFIG_ENV: str(config_out)}
+        exe = Path(sys.executable).parent / "snakemake"
+        cmd = [str(exe) if exe.exists() else "snakemake", "-n",
+               *snakemake_args]
+        result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+        output = result.stdout + result.stderr
+        if not config_out.is_file():
+            return None, output, result.returncode or 1
+        with open(config_out) as f:
+            config = json.load(f)
+    will_run = parse_job_stats(output) if result.returncode == 0 else None
+    return try_project(config, workdir, will_run)[0], output, result.returncode
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sample-disk"]:
+        parser = argparse.ArgumentParser(prog="python -m eagle3flow.plan sample-disk")
+        parser.add_argument("--path", action="append", required=True)
+        parser.add_argument("--out", type=Path, required=True)
+        parser.add_argument("--pid", type=int, required=True)
+        parser.add_argument("--interval", type=float, default=1.0)
+        args = parser.parse_args(argv[1:])
+        sample_disk(args.path, args.out, args.pid, args.interval)
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3flow.plan",
+        description="Print the plan (per stage: runs or cached, disk, time, GPU-hours, downtime) "
+                    "without running anything. Other arguments go to `snakemake -n`, e.g. "
+                    "--profile embedded --config storage='{max_bytes: 500GB}'.")
+    parser.add_argument("--workdir", type=Path, default=Path.cwd())
+    parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    args, snakemake_args = parser.parse_known_args(argv)
+    plan, output, rc = plan_via_snakemake(snakemake_args, args.workdir)
+    if plan is None:
+        print(output, file=sys.stderr)
+        return rc or 1
+    print(render(plan))
+    if args.json:
+        write_json(args.json, plan.to_json())
+    if plan.refusal:
+        print("\n" + plan.refusal, file=sys.stderr)
+        return 1
+    if rc:
+        print(output, file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The plan and the disk budget (eagle3flow/plan.py, rules/plan.smk).
+
+Projections are checked against real files: a real extraction by Snakemake on a small
+random target (two runs: the dataset first, so the second plan works from its stats),
+a real draft and AdamW checkpoint. The budget refusal goes through real `snakemake`
+runs on the embedded default, which must fail before any job (so before any model).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+from test_workflow import BIN, snakemake, snakemake_env, workflow_copy
+from eagle3flow import plan as plan_lib
+
+STAGE_NAMES = [name for name, *_ in plan_lib.STAGES]
+
+
+def resolved_config(**sections) -> dict:
+    """config.yaml's schema defaults with ``sections`` merged in, as the workflow sees it."""
+    from snakemake.utils import validate
+
+    config = {key: dict(value) for key, value in sections.items()}
+    validate(config, str(REPO / "schemas" / "config.schema.yaml"), set_default=True)
+    return config
+
+
+# ---------------------------------------------------------------- sizes of real artifacts
+
+def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_target):
+    """The plan's draft size is the real Eagle3Draft's, and a real AdamW checkpoint is 12 B/param."""
+    import io
+
+    import torch
+
+    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+
+    target = json.loads((random_llama_target / "config.json").read_text())
+    for overrides, draft_vocab in (({}, 128), ({"intermediate_size": 96}, 300)):
+        cfg = DraftConfig.from_target_config(target, [2, 4, 5], draft_vocab, overrides)
+        model = Eagle3Draft(cfg)
+        trainable = [p for n, p in model.named_parameters() if p.requires_grad]
+        real = sum(p.numel() for p in trainable)
+        assert plan_lib.draft_trainable_params(target, 3, draft_vocab, overrides) == real
+
+    # What train.py checkpoints: trainable weights, AdamW state after a step.
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    sum(p.float().pow(2).sum() for p in trainable).backward()
+    optimizer.step()
+    buffer = io.BytesIO()
+    torch.save({"model": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                "optimizer": optimizer.state_dict()}, buffer)
+    projected = real * plan_lib.CHECKPOINT_BYTES_PER_PARAM
+    assert abs(buffer.tell() - projected) / projected < 0.05, (buffer.tell(), projected)
+
+
+def test_parse_bytes_and_job_stats():
+    assert plan_lib.parse_bytes("1.5TiB") == int(1.5 * 1024 ** 4)
+    assert plan_lib.parse_bytes("500GB") == 500 * 10 ** 9
+    assert plan_lib.parse_bytes(123) == 123
+    with pytest.raises(ValueError, match="storage"):
+        plan_lib.parse_bytes("lots")
+    stats = "Job stats:\njob      count\n-----  -----\nprepare_dataset  1\nall  1\ntotal  2\n"
+    assert plan_lib.parse_job_stats(stats) == {"prepare_dataset": 1, "all": 1}
+
+
+# ---------------------------------------------------------------- a real run: plan vs measured
+
+def make_chat_target(random_llama, out_dir):
+    """The random 8-layer Llama (H=64) with a llama3 chat tokenizer beside it."""
+    from test_dataset import make_chat_tokenizer
+
+    shutil.copytree(random_llama, out_dir)
+    make_chat_tokenizer(out_dir, "llama3")
+    return out_dir
+
+
+def write_conversations(path, n: int) -> None:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            question = " ".join(words[(i + j) % len(words)] for j in range(5 + i % 7))
+            answer = " ".join(words[(i * 3 + j) % len(words)] for j in range(10 + i % 13))
+            f.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def extraction_run(tmp_path_factory, random_llama_target):
+    """Snakemake runs prepare_dataset, then extraction, on a small random target."""
+    root = tmp_path_factory.mktemp("plan_run")
+    target = make_chat_target(random_llama_target, root / "target")
+    write_conversations(root / "chats.jsonl", 160)
+    workdir = workflow_copy(root / "wf")
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["target"]["path"] = str(target)
+    config["dataset"].update(path=str(root / "chats.jsonl"), max_length=256, eval_fraction=0.1)
+    config["extract"].update(shard_tokens=1024, batch_tokens=2048)
+    config["vocab"]["draft_vocab_size"] = 256
+    config["storage"] = {"sample_interval_s": 0.2}
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    first = snakemake(workdir, "--cores", "2", "results/dataset/stats.json", timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = snakemake(workdir, "--cores", "2", "results/hidden_states/eval/manifest.json", timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    return workdir, second.stdout
+
+
+def test_run_prints_plan_first_and_projected_vs_actual_at_the_end(extraction_run):
+    workdir, stdout = extraction_run
+    plan_at = stdout.index("=== plan (eagle3flow.plan) ===")
+    actual_at = stdout.index("disk (actual)")
+    assert plan_at < actual_at, stdout
+    table = stdout[plan_at:actual_at]
+    for name in ("prepare dataset", "extract", "vocab", "train", "export", "evaluate", "report"):
+        row = next(line for line in table.splitlines() if line.startswith(name))
+        assert re.search(r"\s\d+(s|m\d\ds|h\d\dm)\s", row), row        # a time for every stage
+    assert re.search(r"extract \[GPU\]\s+run", table) and re.search(r"prepare dataset\s+cached", table)
+    assert re.search(r"train \[GPU\]\s+skip", table), table
+
+
+def test_projected_peak_matches_measured_peak_within_10_percent(extraction_run):
+    workdir, _ = extraction_run
+    plan = json.loads((workdir / "results" / "plan" / "plan.json").read_text())
+    peak = json.loads((workdir / "results" / "plan" / "disk_peak.json").read_text())
+    measured = peak["peak_bytes"]
+    hidden = plan_lib.tree_bytes(workdir / "cache" / "hidden_states")
+    assert hidden > 0.8 * measured                      # the hidden states are what counts
+    assert abs(plan["peak_bytes"] - measured) <= 0.10 * measured, (plan["peak_bytes"], measured)
+    extract = next(s for s in plan["stages"] if s["name"] == "extract")
+    shards = hidden - sum(p.stat().st_size for p in (workdir / "cache" / "hidden_states").rglob("*.json"))
+    assert abs(extract["bytes"] - shards) <= 0.03 * shards, (extract["bytes"], shards)
+    # The throughput measured in this run is what the next plan works from.
+    again = plan_lib.project(resolved_config(**yaml.safe_load((workdir / "config.yaml").read_text())),
+                             workdir)
+    assert "last run" in next(s for s in again.stages if s.name == "extract").time_basis
+
+
+# ---------------------------------------------------------------- the budget, refused for real
+
+@pytest.fixture(scope="module")
+def embedded_copy(tmp_path_factory):
+    return workflow_copy(tmp_path_factory.mktemp("plan_budget") / "wf")
+
+
+def test_too_small_budget_is_refused_by_a_dry_run_with_what_would_fit(embedded_copy):
+    result = snakemake(embedded_copy, "-n", "--profile", "profiles/embedded",
+                       "--config", "storage={max_bytes: 100MB}", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "storage budget" in out and "over storage.max_bytes = 100.0 MB" in out, out
+    assert "dataset.max_samples:" in out and "streaming" in out, out
+
+
+def test_too_small_budget_fails_a_real_run_before_any_job(embedded_copy):
+    result = snakemake(embedded_copy, "--profile", "profiles/embedded",
+                       "--config", "storage={max_bytes: 100MB}", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "over storage.max_bytes" in out, out
+    assert not (embedded_copy / "results" / "embedded").exists()   # no job started
+    assert not (embedded_copy / "logs").exists()
+
+
+def test_plan_cli_prints_every_stage_and_refuses_over_budget(embedded_copy):
+    cmd = [sys.executable, "-m", "eagle3flow.plan", "--profile", "profiles/embedded"]
+    ok = subprocess.run(cmd, cwd=embedded_copy, env=snakemake_env(), capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for name in STAGE_NAMES:
+        if name != "regenerate":
+            assert any(line.startswith(name) and " run " in line for line in ok.stdout.splitlines()), \
+                ok.stdout
+    assert "peak disk (results/ + cache/): " in ok.stdout and "GPU-hours" in ok.stdout
+    # A free-space floor no disk has: refused too, the table still printed.
+    refused = subprocess.run(cmd + ["--config", "storage={min_free_bytes: 1000PB}"], cwd=embedded_copy,
+                             env=snakemake_env(), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "must stay free" in refused.stderr, refused.stderr
+    assert "=== plan" in refused.stdout
