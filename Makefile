@@ -3,12 +3,15 @@ SHELL := /bin/bash
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test lint
+.PHONY: setup demo demo-regenerate test lint
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	snakemake --profile embedded
+
+demo-regenerate: setup
+	snakemake --profile embedded-regenerate
 
 test: setup
 	bash scripts/install_test_deps.sh

@@ -34,6 +34,11 @@ Bad rows (not a dict, missing turns, unknown role, empty content, no assistant
 turn, template error, all-0/all-1 loss mask, ...) are counted with id and reason;
 the run fails once they exceed ``max_bad_fraction`` of the processed rows.
 
+With ``--regenerated`` (regenerate_responses' responses.jsonl) every sample's
+assistant turns are the target's own answers; samples it has none for (failed, or
+beyond its ``max_samples``) are left out and listed in stats.json under
+``regenerated.skipped``, which also counts the samples regenerated.
+
 Outputs (docs/formats.md, each written to a temporary name then renamed; stats.json
 last): train.parquet, eval.parquet (id, input_ids list<int32>, loss_mask list<int8>,
 num_tokens int32), eval_prompts.jsonl, stats.json.
@@ -349,11 +354,17 @@ def conversation_from_record(record, fmt: str) -> list[dict]:
             raise BadRow("unknown role", f"turn {k}: {raw_role!r}")
         raw = turn.get("content") if turn.get("content") is not None else turn.get("value")
         content = _text(raw, f"turn {k} ({role})")
-        if not content.strip():
+        # A reasoning model's thinking, in the field its chat template reads (regenerated
+        # answers keep it there when the template expects it).
+        reasoning = turn.get("reasoning_content") if role == "assistant" else None
+        if not content.strip() and not (isinstance(reasoning, str) and reasoning.strip()):
             if role == "system":
                 continue
             raise BadRow("empty content", f"turn {k} ({role})")
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if isinstance(reasoning, str) and reasoning.strip():
+            message["reasoning_content"] = reasoning
+        messages.append(message)
     first = next((m["role"] for m in messages if m["role"] != "system"), None)
     if first == "assistant":
         raise BadRow("assistant turn before any user turn")
@@ -361,6 +372,31 @@ def conversation_from_record(record, fmt: str) -> list[dict]:
     if last_assistant is None:
         raise BadRow("no assistant turn")
     return messages[:last_assistant + 1]
+
+
+def iter_conversations(spec: str, fmt: str = "auto", split: str = "train", seed: int = 0,
+                       max_samples: int | None = None):
+    """``(sample_id, messages | BadRow)`` in prepare_dataset's order (same ids, same order),
+    up to the first ``max_samples`` usable conversations: what regenerate_responses answers."""
+    sources = load_sources(spec, fmt, split)
+    locations: list[tuple[int, int]] = []
+    raw_ids: list[str] = []
+    for s, source in enumerate(sources):
+        raw_ids += _source_ids(source, len(locations))
+        locations += [(s, i) for i in range(len(source.rows))]
+    ids, _ = make_unique(raw_ids)
+    usable = 0
+    for g in sorted(range(len(ids)), key=lambda g: order_key(seed, ids[g])):
+        if max_samples is not None and usable >= max_samples:
+            return
+        s, i = locations[g]
+        try:
+            messages = conversation_from_record(sources[s].rows[i], sources[s].format)
+        except BadRow as error:
+            yield ids[g], error
+            continue
+        usable += 1
+        yield ids[g], messages
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -485,12 +521,49 @@ def _split_outputs(all_path: Path, out_dir: Path, n_eval: int) -> dict:
 
 # ---------------------------------------------------------------- the stage
 
+def load_regenerated(path: str | Path) -> dict[str, dict]:
+    """regenerate_responses' ``responses.jsonl``: sample id -> ``{"messages", "finish_reasons"}``
+    or ``{"failed": reason}``."""
+    from eagle3flow.jsonl import iter_jsonl
+
+    answers = {}
+    for where, row in iter_jsonl(path):
+        if not isinstance(row, dict) or "id" not in row or not (
+                isinstance(row.get("messages"), list) or "failed" in row):
+            raise DatasetError(f"{where}: expected {{'id', 'messages'}} or {{'id', 'failed'}}")
+        answers[str(row["id"])] = row
+    return answers
+
+
+def with_regenerated_answers(sample_id: str, messages: list[dict], regenerated: dict[str, dict]):
+    """The conversation with the target's own answers, or the BadRow/_Skipped saying why not."""
+    entry = regenerated.get(sample_id)
+    if entry is None:
+        return _Skipped("not regenerated", "beyond the regenerated samples")
+    if "failed" in entry:
+        return _Skipped("regeneration failed", str(entry["failed"])[:300])
+    answered = entry["messages"]
+    prompts = [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
+    if [(m.get("role"), m.get("content")) for m in answered if m.get("role") != "assistant"] != prompts \
+            or len(answered) != len(messages):
+        return BadRow("regenerated answers do not match", "its prompt turns differ from the dataset's")
+    return answered
+
+
+class _Skipped(BadRow):
+    """A usable row left out on purpose (no regenerated answer): listed, not counted as bad."""
+
+
 def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
-                    config: DatasetConfig | None = None, progress_interval: float = 5.0) -> dict:
+                    config: DatasetConfig | None = None, progress_interval: float = 5.0,
+                    regenerated: str | Path | None = None) -> dict:
     """Tokenize ``input`` with the chat template of ``tokenizer_dir`` into ``out_dir``.
 
     Writes train.parquet, eval.parquet, eval_prompts.jsonl and stats.json (see
     docs/formats.md); returns the stats. Raises DatasetError on unusable input.
+    ``regenerated``: regenerate_responses' responses.jsonl; each sample's assistant
+    turns are then the target's own answers, and samples without one are left out
+    (listed under ``regenerated.skipped``).
     """
     config = config or DatasetConfig()
     config.validate()
@@ -518,7 +591,10 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     cap = config.max_samples
     progress = (Progress("prepare_dataset", min(cap, total_rows), "samples", interval=progress_interval)
                 if cap else Progress("prepare_dataset", total_rows, "rows", interval=progress_interval))
-    results = _row_results(order, sources, ids, locations, masker, config.num_workers)
+    answers = load_regenerated(regenerated) if regenerated else None
+    skipped = Tally()
+    regenerated_kept = truncated_answers = 0
+    results = _row_results(order, sources, ids, locations, masker, config.num_workers, answers)
     try:
         for g, outcome in results:
             if cap is not None and kept >= cap:
@@ -526,7 +602,9 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
             processed += 1
             sample_id = ids[g]
             sample = None
-            if isinstance(outcome, BadRow):
+            if isinstance(outcome, _Skipped):
+                skipped.add(sample_id, outcome.reason, outcome.detail)
+            elif isinstance(outcome, BadRow):
                 bad.add(sample_id, outcome.reason, outcome.detail)
             else:
                 prompt_json, input_ids, loss_mask = outcome
@@ -534,6 +612,9 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
             if sample is not None:
                 writer.add(sample_id, *sample, prompt_json)
                 kept += 1
+                if answers is not None:
+                    regenerated_kept += 1
+                    truncated_answers += "length" in answers[sample_id].get("finish_reasons", [])
             # The final fraction is at least bad / total_rows: fail as soon as that is too high.
             if bad.count > config.max_bad_fraction * total_rows:
                 raise _bad_error(bad, processed, config.max_bad_fraction)
@@ -566,6 +647,11 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
         "dropped": dropped.to_json(),
         "bad": {**bad.to_json(), "fraction": bad.count / max(processed, 1)},
         "duplicate_ids": {"count": len(renamed), "renamed": renamed[:LIST_LIMIT]},
+        # Which answers the draft learns from: the dataset's own, or the target's.
+        "regenerated": ({"source": str(regenerated), "samples": regenerated_kept,
+                         "fraction": regenerated_kept / max(kept, 1),
+                         "truncated_answers": truncated_answers, "skipped": skipped.to_json()}
+                        if answers is not None else {"source": None, "samples": 0, "fraction": 0.0}),
     }
     with open(out_dir / ".stats.json.tmp", "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=2, ensure_ascii=False)
@@ -574,12 +660,17 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     return stats
 
 
-def _tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker):
+def _tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker,
+                  regenerated: dict | None = None):
     """(prompt_json, input_ids, loss_mask) of one row, or the BadRow saying why not."""
     try:
         messages = conversation_from_record(source.rows[index], source.format)
     except BadRow as error:
         return error
+    if regenerated is not None:
+        messages = with_regenerated_answers(sample_id, messages, regenerated)
+        if isinstance(messages, BadRow):
+            return messages
     try:
         input_ids, loss_mask = masker.tokenize(messages, sample_id)
     except MaskError as error:
@@ -589,27 +680,29 @@ def _tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker
     return json.dumps(prompt_messages(messages), ensure_ascii=False), input_ids, loss_mask
 
 
-_WORKER_STATE: tuple = ()  # (sources, ids, locations, masker), inherited by forked workers
+_WORKER_STATE: tuple = ()  # (sources, ids, locations, masker, regenerated), inherited by forked workers
 CHUNK_ROWS = 64
 
 
 def _tokenize_chunk(rows: list[int]) -> list[tuple[int, object]]:
-    sources, ids, locations, masker = _WORKER_STATE
-    return [(g, _tokenize_row(sources[locations[g][0]], locations[g][1], ids[g], masker)) for g in rows]
+    sources, ids, locations, masker, regenerated = _WORKER_STATE
+    return [(g, _tokenize_row(sources[locations[g][0]], locations[g][1], ids[g], masker, regenerated))
+            for g in rows]
 
 
-def _row_results(order: list[int], sources, ids, locations, masker, num_workers: int):
+def _row_results(order: list[int], sources, ids, locations, masker, num_workers: int,
+                 regenerated: dict | None = None):
     """(row, outcome) in ``order``, computed by ``num_workers`` forked processes when > 1."""
     global _WORKER_STATE
     if num_workers <= 1:
         for g in order:
             s, i = locations[g]
-            yield g, _tokenize_row(sources[s], i, ids[g], masker)
+            yield g, _tokenize_row(sources[s], i, ids[g], masker, regenerated)
         return
     import multiprocessing
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
-    _WORKER_STATE = (sources, ids, locations, masker)
+    _WORKER_STATE = (sources, ids, locations, masker, regenerated)
     chunks = [order[k:k + CHUNK_ROWS] for k in range(0, len(order), CHUNK_ROWS)]
     # fork: workers share the loaded rows and tokenizer instead of pickling them.
     with multiprocessing.get_context("fork").Pool(num_workers) as pool:
@@ -662,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default=defaults.split, help="split of a Hub dataset")
     parser.add_argument("--chat-template-kwargs", type=json.loads, default={},
                         help="JSON object passed to the chat template")
+    parser.add_argument("--regenerated", default=None,
+                        help="regenerate_responses' responses.jsonl: train on the target's own answers")
     parser.add_argument("--num-workers", type=int, default=defaults.num_workers,
                         help="processes rendering and tokenizing (results do not depend on it)")
     args = parser.parse_args(argv)
@@ -672,14 +767,16 @@ def main(argv: list[str] | None = None) -> int:
         max_samples=args.max_samples or None, split=args.split,
         chat_template_kwargs=args.chat_template_kwargs, num_workers=args.num_workers)
     try:
-        stats = prepare_dataset(args.input, args.tokenizer, args.out_dir, config)
+        stats = prepare_dataset(args.input, args.tokenizer, args.out_dir, config,
+                                regenerated=args.regenerated)
     except (ValueError, OSError) as error:  # DatasetError, MaskError, missing files
         print(f"prepare_dataset: error: {error}", file=sys.stderr)
         return 1
     train, eval_ = stats["splits"]["train"], stats["splits"]["eval"]
     print(f"prepare_dataset: train {train['samples']} samples / {train['tokens']} tokens, "
           f"eval {eval_['samples']} / {eval_['tokens']}; bad {stats['bad']['count']}, "
-          f"dropped {stats['dropped']['count']}, truncated {stats['truncated']['count']} "
+          f"dropped {stats['dropped']['count']}, truncated {stats['truncated']['count']}, "
+          f"with the target's own answers {stats['regenerated']['samples']} "
           f"-> {args.out_dir}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,8 @@ rule prepare_dataset:
     input:
         data=dataset_input(),
         target=target_input(),
+        # The target's own answers (rules/regenerate.smk) when regenerate.enabled.
+        regenerated=REGENERATED or [],
     output:
         train=f"{RESULTS}/dataset/train.parquet",
         eval=f"{RESULTS}/dataset/eval.parquet",
@@ -12,6 +14,9 @@ rule prepare_dataset:
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
         cfg=config["dataset"],
         template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
+        regenerated=lambda wildcards, input: (
+            f"--regenerated {input.regenerated}" if input.regenerated else ""
+        ),
     log:
         f"{LOGS}/prepare_dataset.log",
     benchmark:
@@ -24,6 +29,6 @@ rule prepare_dataset:
         " --max-length {params.cfg[max_length]} --length-policy {params.cfg[length_policy]}"
         " --eval-fraction {params.cfg[eval_fraction]} --seed {params.cfg[seed]}"
         " --max-bad-fraction {params.cfg[max_bad_fraction]} --num-workers {params.cfg[num_workers]}"
-        " --chat-template-kwargs {params.template_kwargs}"
+        " --chat-template-kwargs {params.template_kwargs} {params.regenerated}"
         + (" --max-samples {params.cfg[max_samples]}" if config["dataset"]["max_samples"] else "")
         + " 2>&1 | tee {log}"

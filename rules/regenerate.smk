@@ -1,0 +1,97 @@
+# The target answers the dataset's prompts itself (eagle3flow/regenerate.py), through
+# its live OpenAI-compatible server. Everything downstream (prepare_dataset, then the
+# GPU stages) takes its output as input, so it runs before any drain_service job,
+# while the production server is still up. Answers are cached (undeclared, resumable);
+# the declared output is written when every prompt is answered or skipped.
+#
+# Without a URL (config or $EAGLE3FLOW_REGENERATE_URL) on the embedded default, the job
+# serves the embedded target itself with vLLM for its own duration.
+#
+# regenerate.compare_original_answers also trains a draft on the dataset's original
+# answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
+# it side by side with the draft trained on the target's answers.
+from eagle3flow.compare_answers import original_answers_config
+
+REGENERATE = config["regenerate"]
+REGENERATE_DIR = f"{RESULTS}/regenerate"
+REGENERATED = f"{REGENERATE_DIR}/responses.jsonl" if REGENERATE["enabled"] else None
+REGENERATE_URL = REGENERATE["base_url"] or os.environ.get("EAGLE3FLOW_REGENERATE_URL")
+ORIGINAL_ANSWERS_DIR = f"{RESULTS}/original_answers"
+ORIGINAL_ANSWERS_DRAFT = "original answers"
+
+if REGENERATE["enabled"] and not REGENERATE_URL and not USES_EMBEDDED_TARGET:
+    raise ValueError(
+        "regenerate.enabled needs the target's server: set regenerate.base_url (or "
+        "$EAGLE3FLOW_REGENERATE_URL), and regenerate.model if it serves several models "
+        "(the workflow serves the target itself only for the embedded default)")
+if REGENERATE["compare_original_answers"]:
+    if not REGENERATE["enabled"]:
+        raise ValueError("regenerate.compare_original_answers needs regenerate.enabled: true")
+    if DRAIN["enabled"]:
+        raise ValueError("regenerate.compare_original_answers trains a second draft in a nested "
+                         "run that is not drained for: turn it off where drain.enabled is true")
+    # The evaluation serves it next to the new draft (rules/evaluate.smk reads this).
+    config["evaluate"]["compare_drafts"].setdefault(ORIGINAL_ANSWERS_DRAFT, f"{ORIGINAL_ANSWERS_DIR}/draft")
+
+
+rule regenerate_responses:
+    input:
+        data=dataset_input(),
+        target=target_input(),
+    output:
+        responses=f"{REGENERATE_DIR}/responses.jsonl",
+        stats=f"{REGENERATE_DIR}/stats.json",
+    params:
+        source=lambda wildcards, input: input.data if input.data else DATASET,
+        out_dir=lambda wildcards, output: os.path.dirname(output.stats),
+        cache=f"{CACHE}/regenerate",
+        cfg=json_arg_of({k: v for k, v in REGENERATE.items() if k not in ("enabled", "compare_original_answers")}),
+        dataset=config["dataset"],
+        template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
+        max_samples=config["dataset"]["max_samples"] or 0,
+        # No URL on the embedded default: serve the target for the job's duration.
+        serve=(
+            f"--serve-target {TARGET} --server-log {LOGS}/regenerate_server.log"
+            + (f" --vllm-python {config['evaluate']['vllm_python']}" if config["evaluate"]["vllm_python"] else "")
+            if not REGENERATE_URL
+            else ""
+        ),
+    log:
+        f"{LOGS}/regenerate_responses.log",
+    benchmark:
+        f"{BENCHMARKS}/regenerate_responses.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.regenerate --input {params.source:q} --tokenizer {input.target:q}"
+        " --out-dir {params.out_dir} --cache-root {params.cache} --config-json {params.cfg}"
+        " --format {params.dataset[format]} --seed {params.dataset[seed]}"
+        " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
+        " {params.serve} 2>&1 | tee {log}"
+
+
+rule train_original_answers_draft:
+    input:
+        data=dataset_input(),
+        target=target_input(),
+    output:
+        f"{ORIGINAL_ANSWERS_DIR}/draft/config.json",
+        f"{ORIGINAL_ANSWERS_DIR}/draft/model.safetensors",
+    params:
+        cfg=json_arg_of(original_answers_config(config)),
+        source=lambda wildcards, input: input.data if input.data else DATASET,
+        results=lambda wildcards, output: os.path.dirname(os.path.dirname(output[0])),
+        cache=CACHE,
+        logs=f"{LOGS}/original_answers",
+        snakefile=workflow.main_snakefile,
+    threads: workflow.cores
+    log:
+        f"{LOGS}/train_original_answers_draft.log",
+    benchmark:
+        f"{BENCHMARKS}/train_original_answers_draft.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
+        " --target {input.target:q} --dataset {params.source:q} --results {params.results}"
+        " --cache {params.cache} --logs {params.logs} --cores {threads} 2>&1 | tee {log}"

@@ -1,0 +1,348 @@
+"""regenerate_responses against a real vLLM CPU server of an embedded target.
+
+One tiny embedded target (built here in seconds) is served once for the module by the
+stage's own ``serve_target``; a real HTTP proxy process (tests/error_proxy.py) in front
+of it records every request and fails chosen ones. Requests that reach vLLM are
+counted at its /metrics.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eagle3flow.dataset import DatasetConfig, iter_conversations, prepare_dataset
+from eagle3flow.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
+                                   serve_target, SERVED_NAME)
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+NUM_CONVERSATIONS = 40
+FAST_RETRIES = {"backoff_s": 0.01, "max_backoff_s": 0.05, "max_retries": 3}
+# One bad row of 41 is more than the default 1%; no eval split, so every sample is in train.
+PREPARE = DatasetConfig(max_bad_fraction=0.1, eval_fraction=0.0)
+
+
+# ----------------------------------------------------------------------------- unit
+
+def test_reasoning_kept_in_the_form_the_template_expects(tmp_path):
+    reply = {"content": "42.", "reasoning": "six times seven"}
+    assert assistant_message(reply, "field") == {"role": "assistant", "content": "42.",
+                                                 "reasoning_content": "six times seven"}
+    assert assistant_message(reply, "think_tags")["content"] == "<think>\nsix times seven\n</think>\n\n42."
+    assert assistant_message({"content": "42.", "reasoning_content": "r"}, "drop") == {
+        "role": "assistant", "content": "42."}
+    assert assistant_message({"content": "42.", "reasoning": None}, "field") == {
+        "role": "assistant", "content": "42."}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% if message.reasoning_content %}<think>{% endif %}"}))
+    assert reasoning_form("auto", str(tmp_path)) == "field"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ m }}"}))
+    assert reasoning_form("auto", str(tmp_path)) == "think_tags"
+
+
+def test_cache_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt_sha": "x"}) + "\n" + '{"id": "b", "pro')
+    cache = ResponseCache(path)
+    cache.add({"id": "c", "prompt_sha": "y"})
+    cache.close()
+    assert set(cache.entries) == {"a", "c"}
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "c"]
+
+
+# ----------------------------------------------------------------------------- the server
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory) -> Path:
+    """A tiny embedded target (the real builder, few steps) and its conversations;
+    EAGLE3FLOW_EMBEDDED_DIR reuses an existing build (as tests/test_embedded.py does)."""
+    existing = os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
+    if existing:
+        return Path(existing)
+    out = tmp_path_factory.mktemp("embedded_tiny")
+    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "30",
+                    "--max-conversations", "150"], cwd=REPO, env=ENV, check=True,
+                   capture_output=True, timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(embedded, tmp_path_factory) -> Path:
+    """NUM_CONVERSATIONS conversations (some multi-turn, ShareGPT ids kept) plus one bad row."""
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    lines = (embedded / "conversations.jsonl").read_text().splitlines()[:NUM_CONVERSATIONS]
+    lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(embedded, tmp_path_factory):
+    with serve_target(embedded / "target", tmp_path_factory.mktemp("server") / "vllm.log",
+                      max_model_len=1024, startup_timeout_s=600) as url:
+        yield url
+
+
+def requests_served(url: str) -> float:
+    """vLLM's own count of finished requests (every finished_reason), once it is idle."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        busy = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+        if busy == 0 or time.monotonic() > deadline:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:request_success_total{"))
+        time.sleep(0.2)
+
+
+class Proxy:
+    def __init__(self, upstream: str, workdir: Path, rules: dict):
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "rules.json").write_text(json.dumps(rules))
+        self.record = workdir / "requests.jsonl"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "error_proxy.py"), "--upstream", upstream,
+             "--rules", str(workdir / "rules.json"), "--record", str(self.record)],
+            stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY "), line
+        self.url = f"http://127.0.0.1:{line.split()[1]}"
+
+    def requests(self) -> list[dict]:
+        if not self.record.exists():
+            return []
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def proxy(server, tmp_path):
+    proxies = []
+
+    def start(rules: dict | None = None) -> Proxy:
+        proxies.append(Proxy(server, tmp_path / f"proxy{len(proxies)}", rules or {}))
+        return proxies[-1]
+
+    yield start
+    for p in proxies:
+        p.close()
+
+
+def regenerate_args(dataset: Path, embedded: Path, out: Path, url: str, **cfg) -> list[str]:
+    settings = {"base_url": url, "max_tokens": 24, "max_concurrency": 4, **cfg}
+    return ["--input", str(dataset), "--tokenizer", str(embedded / "target"), "--out-dir", str(out / "out"),
+            "--cache-root", str(out / "cache"), "--config-json", json.dumps(settings)]
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(server, embedded, dataset, tmp_path_factory):
+    """One complete regeneration through a recording proxy, with an API token set."""
+    work = tmp_path_factory.mktemp("full")
+    proxy = Proxy(server, work / "proxy", {})
+    before = requests_served(server)
+    os.environ["EAGLE3FLOW_REGENERATE_API_KEY"] = "sekret-token-123"
+    try:
+        result = subprocess.run([sys.executable, "-m", "eagle3flow.regenerate",
+                                 *regenerate_args(dataset, embedded, work, proxy.url)],
+                                env={**ENV, "EAGLE3FLOW_REGENERATE_API_KEY": "sekret-token-123"},
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        os.environ.pop("EAGLE3FLOW_REGENERATE_API_KEY")
+        proxy.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"work": work, "stderr": result.stderr, "requests": proxy.requests(),
+            "served": requests_served(server) - before}
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_full_regeneration(full_run, server, dataset, embedded):
+    expected = [(sid, msgs) for sid, msgs in iter_conversations(str(dataset)) if isinstance(msgs, list)]
+    rows = read_rows(full_run["work"] / "out" / "responses.jsonl")
+    stats = json.loads((full_run["work"] / "out" / "stats.json").read_text())
+    # Every usable conversation, in prepare_dataset's order, every assistant turn answered.
+    assert [r["id"] for r in rows] == [sid for sid, _ in expected]
+    turns = sum(m["role"] == "assistant" for _, msgs in expected for m in msgs)
+    assert stats["regenerated"] == NUM_CONVERSATIONS and stats["turns"] == turns
+    assert stats["bad_input_rows"]["rows"][0]["id"] == "no-answer"
+    assert full_run["served"] == turns == stats["sent"]["requests"]
+    assert "ETA" in full_run["stderr"] and "tokens/s" in full_run["stderr"]
+
+    # The answers are the server's: the same greedy request, sent directly, gives the same text.
+    sid, messages = next((s, m) for s, m in expected if len(m) == 2)
+    body = {"model": SERVED_NAME, "messages": messages[:1], "max_tokens": 24, "temperature": 0.0}
+    direct = json.loads(urllib.request.urlopen(urllib.request.Request(
+        server + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"}), timeout=60).read())
+    row = next(r for r in rows if r["id"] == sid)
+    assert row["messages"][1]["content"] == direct["choices"][0]["message"]["content"]
+    assert messages[1]["content"] != row["messages"][1]["content"]  # not the dataset's answer
+
+    # Multi-turn: turn 2 is asked with the target's own turn-1 answer in context.
+    multi = [r for r in rows if len(r["finish_reasons"]) == 2]
+    assert multi, "the test data must hold a multi-turn conversation"
+    for row in multi:
+        second = next(q["body"] for q in full_run["requests"]
+                      if q["body"]["messages"][:-1] == row["messages"][:-2])
+        assert second["messages"][-2] == {"role": "assistant", "content": row["messages"][-3]["content"]}
+    # Sampling settings and the token: sent, never logged.
+    assert {q["body"]["max_tokens"] for q in full_run["requests"]} == {24}
+    assert {q["authorization"] for q in full_run["requests"]} == {"Bearer sekret-token-123"}
+    for text in (full_run["stderr"], json.dumps(stats)):
+        assert "sekret" not in text
+
+    # The prepared dataset trains on these answers and says so.
+    out = full_run["work"] / "dataset"
+    prepared = prepare_dataset(str(dataset), embedded / "target", out, PREPARE,
+                               regenerated=full_run["work"] / "out" / "responses.jsonl")
+    assert prepared["regenerated"]["samples"] == prepared["rows"]["kept"] == NUM_CONVERSATIONS
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(embedded / "target")
+    table = pq.read_table(out / "train.parquet").to_pylist()
+    sample = next(t for t in table if t["id"] == sid)
+    learned = tok.decode([i for i, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+    assert row["messages"][1]["content"].strip() in learned
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_crash_then_resume_sends_only_the_missing(full_run, server, proxy, dataset, embedded, tmp_path):
+    slow = proxy({"delay_s": 0.15})
+    args = regenerate_args(dataset, embedded, tmp_path, slow.url, max_concurrency=2)
+    child = subprocess.Popen([sys.executable, "-m", "eagle3flow.regenerate", *args], env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cache_files = lambda: list((tmp_path / "cache").glob("*/responses.jsonl"))  # noqa: E731
+    deadline = time.monotonic() + 120
+    while not (cache_files() and len(cache_files()[0].read_text().splitlines()) >= 8):
+        assert child.poll() is None, child.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    slow.close()  # its requests in flight die with it, before vLLM's count is read
+    time.sleep(0.5)
+    assert not (tmp_path / "out" / "stats.json").exists()  # the declared output waits for all
+
+    cached = {json.loads(line)["id"] for line in cache_files()[0].read_text().splitlines()}
+    assert 8 <= len(cached) < NUM_CONVERSATIONS
+    missing = [msgs for sid, msgs in iter_conversations(str(dataset))
+               if isinstance(msgs, list) and sid not in cached]
+    before = requests_served(server)
+    assert main(regenerate_args(dataset, embedded, tmp_path, server)) == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["sent"]["conversations"] == len(missing)
+    assert requests_served(server) - before == sum(m["role"] == "assistant" for msgs in missing for m in msgs)
+    # Greedy answers: crash + resume gives exactly what one uninterrupted run gave.
+    assert read_rows(tmp_path / "out" / "responses.jsonl") == read_rows(full_run["work"] / "out" / "responses.jsonl")
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_server_errors_are_retried_then_skipped_or_fail(server, proxy, dataset, embedded, tmp_path, capsys):
+    # Single-turn conversations, matched by their question (follow-ups repeat across rows).
+    ids = [(sid, msgs) for sid, msgs in iter_conversations(str(dataset))
+           if isinstance(msgs, list) and sum(m["role"] == "assistant" for m in msgs) == 1]
+    first_user = lambda k: ids[k][1][-2]["content"]  # noqa: E731
+    faulty = proxy({"fail": [{"match": first_user(0), "status": 429, "times": 2, "retry_after": "0"},
+                             {"match": first_user(1), "status": 503, "times": 1},
+                             {"match": first_user(2), "status": 500, "times": None}]})
+    # max_tokens 1: every answer is cut (a first token that is a stop token or blank makes an
+    # empty answer, which fails that conversation: the tiny target does that now and then).
+    args = regenerate_args(dataset, embedded, tmp_path, faulty.url, max_tokens=1, max_failed_fraction=0.2,
+                           **FAST_RETRIES)
+    assert main(args) == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    failed = {row["id"]: row["reason"] for row in stats["failed"]["rows"]}
+    reason = failed.pop(ids[2][0])
+    assert "HTTP 500" in reason and "after 4 attempts" in reason
+    assert all("empty answer" in reason for reason in failed.values()), failed
+    assert stats["sent"]["retries"] == 2 + 1 + 3
+    rows = {r["id"]: r for r in read_rows(tmp_path / "out" / "responses.jsonl")}
+    assert "messages" in rows[ids[0][0]] and "messages" in rows[ids[1][0]] and "failed" in rows[ids[2][0]]
+    assert stats["truncated"]["count"] == stats["regenerated"] == NUM_CONVERSATIONS - 1 - len(failed)
+    # The dataset leaves the failed conversations out, listed with their reasons.
+    prepared = prepare_dataset(str(dataset), embedded / "target", tmp_path / "dataset", PREPARE,
+                               regenerated=tmp_path / "out" / "responses.jsonl")
+    skipped = prepared["regenerated"]["skipped"]
+    assert {r["id"] for r in skipped["rows"]} == {ids[2][0], *failed}
+    assert skipped["by_reason"] == {"regeneration failed": 1 + len(failed)}
+    assert prepared["regenerated"]["truncated_answers"] == prepared["rows"]["kept"] == stats["regenerated"]
+
+    # Above max_failed_fraction the stage fails and names the prompt; the answers stay cached.
+    capsys.readouterr()
+    strict = regenerate_args(dataset, embedded, tmp_path / "strict", faulty.url, max_tokens=1,
+                             max_failed_fraction=0.0, **FAST_RETRIES)
+    assert main(strict) == 1
+    err = capsys.readouterr().err
+    assert "max_failed_fraction" in err and ids[2][0] in err and "HTTP 500" in err
+    assert not (tmp_path / "strict" / "out").exists()
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_fails_early_when_down_or_wrong_model(server, dataset, embedded, tmp_path, capsys):
+    from eagle3flow.regenerate import free_port
+
+    before = requests_served(server)
+    t0 = time.monotonic()
+    assert main(regenerate_args(dataset, embedded, tmp_path, f"http://127.0.0.1:{free_port()}")) == 1
+    assert "cannot reach the target's server" in capsys.readouterr().err
+    assert main(regenerate_args(dataset, embedded, tmp_path, server, model="not-the-target")) == 1
+    err = capsys.readouterr().err
+    assert f"does not serve model 'not-the-target'; it serves ['{SERVED_NAME}']" in err
+    assert time.monotonic() - t0 < 20
+    assert requests_served(server) == before  # no prompt was sent
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the DAG
+
+def test_regenerate_runs_before_any_drain(tmp_path):
+    """On the drained profile, every drain_service job depends on regenerate_responses
+    (the production server must still be up), and prepare_dataset reads its answers."""
+    (tmp_path / "regen.yaml").write_text(
+        "regenerate:\n  enabled: true\n  base_url: http://127.0.0.1:8000\n"
+        "drain:\n  unit: vllm.service\n")
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "-n", "--profile", "profiles/local-8gpu",
+         "--configfile", "profiles/local-8gpu/workflow.yaml", str(tmp_path / "regen.yaml"),
+         "--forceall", "--dag"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    nodes, edges = {}, set()
+    for line in result.stdout.splitlines():
+        line = line.strip()
+        if "->" in line:
+            a, b = (x.strip().rstrip(";") for x in line.split("->"))
+            edges.add((a, b))
+        elif "label" in line and "[" in line:
+            nodes[line.split("[")[0].strip()] = line.split('label = "')[1].split("\\n")[0].split('"')[0]
+    upstream = {n: {a for a, b in edges if b == n} for n in nodes}
+
+    def ancestors(node):
+        seen, todo = set(), [node]
+        while todo:
+            for parent in upstream[todo.pop()]:
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+        return {nodes[n] for n in seen}
+
+    drains = [n for n, rule in nodes.items() if rule == "drain_service"]
+    assert len(drains) >= 2, nodes
+    for drain in drains:
+        assert "regenerate_responses" in ancestors(drain)
+    prepare = next(n for n, rule in nodes.items() if rule == "prepare_dataset")
+    assert "regenerate_responses" in ancestors(prepare)
