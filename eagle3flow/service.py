@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,7 +41,9 @@ from eagle3flow.gpu_holders import (GpuQueryError, children_of, describe_process
                                     gpu_memory_used, gpu_processes, process_start_ticks)
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
-DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft")
+DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
+                  # streaming partitions (rules/streaming.smk)
+                  "extract_partition", "train_partition", "train_partition_last")
 
 # Defaults of the config's `drain` section (schemas/config.schema.yaml holds the same,
 # with descriptions); used when this module is called by hand with --config.
@@ -124,7 +127,8 @@ class State:
 
 
 def write_plan(state_dir: str, stages: list[str], snakemake_pid: int) -> None:
-    """Called by the Snakefile's onstart: the drained stages this run will run."""
+    """Called by the Snakefile's onstart: the drained stages this run will run, one entry
+    per job (the unit stays down until the last job of the last stage has ended)."""
     state = State(state_dir)
     with state.locked():
         state.write(state.plan, {"snakemake_pid": snakemake_pid,
@@ -419,11 +423,14 @@ def stage_ended(settings: dict, state_dir: str, stage: str, exit_code: int) -> N
         if session is None:
             log(f"{stage} ended; the unit is not drained (nothing to restore)")
             return
-        session["ended"] = sorted(set(session["ended"]) | {stage})
+        # One entry per ended job: a stage may run several (partitions, streaming links).
+        session["ended"] = sorted(session["ended"] + [stage])
         state.write(state.session, session)
         plan = state.read(state.plan) or {}
     run_alive = _alive(plan.get("snakemake_pid"), plan.get("snakemake_start"))
-    pending = [s for s in plan.get("stages", []) if s not in session["ended"]] if run_alive else []
+    # The plan lists a stage once per job this run will run.
+    remaining = Counter(plan.get("stages", [])) - Counter(session["ended"])
+    pending = sorted(remaining) if run_alive else []
     if exit_code != 0:
         reason = f"{stage} failed (rc={exit_code})"
     elif pending:

@@ -46,7 +46,7 @@ def gpu_stage_prelude(stage, log):
 def drained_stage_inputs(wildcards):
     """The drain waits for the same inputs as its stage (not the flag itself)."""
     return {"extract_hidden_states": EXTRACT_INPUTS, "train_draft": TRAIN_INPUTS,
-            "evaluate_draft": EVALUATE_INPUTS}[wildcards.stage]
+            "evaluate_draft": EVALUATE_INPUTS, **STREAMING_DRAIN_INPUTS}[wildcards.stage]
 
 
 def write_drain_plan():
@@ -54,7 +54,8 @@ def write_drain_plan():
     EXIT trap knows whether the GPUs are needed again or the unit can come back."""
     from eagle3flow.service import write_plan
 
-    stages = {job.rule.name for job in workflow.dag.needrun_jobs()} & set(DRAINED_STAGES)
+    # One entry per job: streaming alternates extraction and training jobs.
+    stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
     write_plan(SERVICE_DIR, sorted(stages), os.getpid())
 
 

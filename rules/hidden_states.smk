@@ -1,11 +1,15 @@
 # Shards live in the cache (undeclared, resumable); the manifests written last
 # are the declared outputs. Both splits run in one GPU job so the target is
-# drained for and loaded once.
+# drained for and loaded once. With extract.partitions: N, N such jobs (one per
+# node on a cluster, sharing the cache) each extract a run of shards and write
+# part-K-of-N.json, a manifest of its own; a local merge job writes manifest.json.
 EXTRACT_INPUTS = dict(
     train=f"{RESULTS}/dataset/train.parquet",
     eval=f"{RESULTS}/dataset/eval.parquet",
     target=target_input(),
 )
+EXTRACT_PARTS = config["extract"]["partitions"]
+EXTRACT_PART_MANIFEST = f"{RESULTS}/hidden_states/{{split}}/part-{{part}}-of-{EXTRACT_PARTS}.json"
 
 
 rule extract_hidden_states:
@@ -13,8 +17,8 @@ rule extract_hidden_states:
         **EXTRACT_INPUTS,
         drained=drain_flag("extract_hidden_states"),
     output:
-        train=f"{RESULTS}/hidden_states/train/manifest.json",
-        eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+        train=EXTRACT_PART_MANIFEST.format(split="train", part="{part}"),
+        eval=EXTRACT_PART_MANIFEST.format(split="eval", part="{part}"),
     params:
         cache=f"{CACHE}/hidden_states",
         layers=(
@@ -23,20 +27,49 @@ rule extract_hidden_states:
             else ""
         ),
         cfg=config["extract"],
-        gpu_prelude=gpu_stage_prelude("extract_hidden_states", f"{LOGS}/extract_hidden_states.log"),
+        tp=f" --tensor-parallel-size {GPUS}" if GPUS > 0 else "",
+        data=config["dataset"],
+        gpu_prelude=gpu_stage_prelude(
+            "extract_hidden_states", f"{LOGS}/extract_hidden_states_{{part}}.log"
+        ),
+    wildcard_constraints:
+        part=r"\d+",
     resources:
         gpus=GPUS,
     log:
-        f"{LOGS}/extract_hidden_states.log",
+        f"{LOGS}/extract_hidden_states_{{part}}.log",
     benchmark:
-        f"{BENCHMARKS}/extract_hidden_states.tsv"
+        f"{BENCHMARKS}/extract_hidden_states_{{part}}.tsv"
     conda:
-        "../envs/train.yaml"
+        "../envs/vllm.yaml" if config["extract"]["backend"] == "vllm" else "../envs/train.yaml"
     shell:
         "{params.gpu_prelude}"
         "python -m eagle3flow.hidden_states --target {input.target:q} --cache-root {params.cache}"
+        " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
         " --split-name train --dataset {input.train} --manifest {output.train}"
         " --split-name eval --dataset {input.eval} --manifest {output.eval}"
-        " --dtype {params.cfg[dtype]} --device {params.cfg[device]}"
+        " --dtype {params.cfg[dtype]} --storage-dtype {params.cfg[storage_dtype]}"
+        " --device {params.cfg[device]} --backend {params.cfg[backend]}{params.tp}"
         " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
+        " --max-length {params.data[max_length]} --length-policy {params.data[length_policy]}"
         "{params.layers} 2>&1 | tee {log}"
+
+
+# Reads N small JSON files: runs where Snakemake runs, never as a cluster job.
+rule merge_hidden_states:
+    input:
+        train=expand(EXTRACT_PART_MANIFEST, split="train", part=range(EXTRACT_PARTS)),
+        eval=expand(EXTRACT_PART_MANIFEST, split="eval", part=range(EXTRACT_PARTS)),
+    output:
+        train=f"{RESULTS}/hidden_states/train/manifest.json",
+        eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+    localrule: True
+    log:
+        f"{LOGS}/merge_hidden_states.log",
+    benchmark:
+        f"{BENCHMARKS}/merge_hidden_states.tsv"
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python -m eagle3flow.shards merge --part {input.train} --manifest {output.train}"
+        " --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"

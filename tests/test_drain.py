@@ -341,7 +341,7 @@ def test_workflow_drains_once_restores_after_training_and_reruns_without_touchin
         assert record["reason"] == "train_draft was the last GPU stage of the run"
         assert 0 < record["downtime_s"] < took
         assert "=== service downtime" in output and f"{UNIT} down {record['downtime_s']} s" in output
-        assert "stays down for train_draft" in (workdir / "logs" / "extract_hidden_states.log").read_text()
+        assert "stays down for train_draft" in (workdir / "logs" / "extract_hidden_states_0.log").read_text()
         assert not list((workdir / "results" / "service").glob("*.flag")), "temp flags removed"
         assert not (workdir / "results" / "service" / "session.json").exists()
 
@@ -390,7 +390,7 @@ def test_sigkilled_workflow_is_restored_by_the_watchdog(upstream, tmp_path):
                                log=log, PATH=box.env["PATH"], FAKE_SYSTEMD_DIR=box.env["FAKE_SYSTEMD_DIR"],
                                FAKE_GPU_DIR=box.env["FAKE_GPU_DIR"], EAGLE3FLOW_TEST_SHARD_DELAY="30")
         session = workdir / "results" / "service" / "session.json"
-        extract_log = workdir / "logs" / "extract_hidden_states.log"
+        extract_log = workdir / "logs" / "extract_hidden_states_0.log"
         deadline = time.monotonic() + 120
         while not (session.exists() and extract_log.exists() and "watchdog_pid" in session.read_text()):
             assert proc.poll() is None, log.read_text()[-3000:]

@@ -240,14 +240,9 @@ print("RESULT " + json.dumps([{"text": o.outputs[0].text, "token_ids": list(o.ou
 
 
 @pytest.fixture(scope="module")
-def default_target(tmp_path_factory) -> Path:
-    """The full default build (minutes); EAGLE3FLOW_EMBEDDED_DIR reuses an existing one."""
-    existing = os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
-    if existing:
-        return Path(existing)
-    out = tmp_path_factory.mktemp("embedded_default")
-    _run(["-m", "eagle3flow.embedded", "--out-dir", str(out)], 1800)
-    return out
+def default_target(embedded_default_build) -> Path:
+    """The full default build (minutes), made once per session (conftest.py)."""
+    return embedded_default_build
 
 
 @pytest.mark.slow

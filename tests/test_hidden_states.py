@@ -15,8 +15,10 @@ import pandas as pd
 import pytest
 import torch
 
-from eagle3flow import shards
-from eagle3flow.hidden_states import LOADING_LINE, SHARD_DELAY_ENV, capture, extract
+from eagle3flow import hidden_states, shards
+from eagle3flow.hidden_states import (LOADING_LINE, SHARD_DELAY_ENV, capture, extract,
+                                      partition_manifest_name)
+from eagle3flow.shards import main as shards_main
 
 AUX = [0, 2, 4, 7]  # includes the embeddings (0) and the last layer's input (N-1)
 
@@ -59,10 +61,10 @@ def digests(paths) -> dict[str, str]:
     return {p.name: shards.sha256_file(p) for p in paths}
 
 
-def run_extract(dataset, target, out: Path, **kwargs):
+def run_extract(dataset, target, out: Path, manifest_name: str = "manifest.json", **kwargs):
     opts = dict(aux_layer_ids=AUX, batch_tokens=96, shard_tokens=120, device="cpu")
     opts.update(kwargs)
-    return extract(dataset, target, out / "manifest.json", out / "cache", **opts)
+    return extract(dataset, target, out / manifest_name, out / "cache", **opts)
 
 
 def test_capture_follows_the_layer_id_convention(model):
@@ -239,3 +241,118 @@ def test_bad_inputs_fail_before_any_work(tmp_path, random_llama_target):
     with pytest.raises(ValueError, match=r"row 2 \(id sample-2\): token id outside"):
         run_extract(tmp_path / "bad_id.parquet", random_llama_target, out)
     assert not out.exists()  # nothing written, no cache made
+
+
+# ----------------------------------------------------------------------------- at scale
+
+def test_partitions_merge_to_what_one_partition_writes(tmp_path, random_llama_target):
+    dataset = write_dataset(tmp_path / "train.parquet", 30)
+    single = run_extract(dataset, random_llama_target, tmp_path / "single")
+    parted = tmp_path / "parted"
+    parts = [run_extract(dataset, random_llama_target, parted, partition=(k, 3),
+                         manifest_name=partition_manifest_name(k, 3)) for k in (2, 0, 1)]
+    tokens = sorted(p["num_tokens"] for p in parts)
+    shard_max = max(s["num_tokens"] for s in single["shards"])
+    assert sum(tokens) == single["num_tokens"] and tokens[-1] - tokens[0] <= 2 * shard_max  # balanced
+    # A partition's manifest is usable on its own (streaming: extract k, train on it, delete it).
+    alone = shards.load_manifest(parted / partition_manifest_name(1, 3))
+    assert sum(1 for _ in alone.iter_samples()) == alone.data["num_samples"] > 0
+
+    part_files = [str(parted / partition_manifest_name(k, 3)) for k in range(3)]
+    shards_main(["merge", "--part", *part_files, "--manifest", str(parted / "manifest.json")])
+    merged = json.loads((parted / "manifest.json").read_text())
+    assert merged["shards"] == single["shards"]  # same files, bitwise (sha256)
+    differs = {k for k in single if single[k] != merged.get(k)}
+    assert differs == {"shard_dir", "partition"} and merged["partitions"] == 3
+    samples = list(shards.load_manifest(parted / "manifest.json").iter_samples())
+    reference = list(shards.load_manifest(tmp_path / "single" / "manifest.json").iter_samples())
+    assert [s["id"] for s in samples] == [s["id"] for s in reference]
+    assert all(torch.equal(a["aux_hidden_states"], b["aux_hidden_states"]) for a, b in zip(samples, reference))
+    logged = (parted / "throughput.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["shard"] for line in logged) == list(range(len(single["shards"])))
+
+    with pytest.raises(ValueError, match="partition 1 of 3, but 2 partition manifests"):
+        shards_main(["merge", "--part", *part_files[1:], "--manifest", str(tmp_path / "x.json")])
+    other = run_extract(dataset, random_llama_target, tmp_path / "other", shard_tokens=50,
+                        partition=(0, 3), manifest_name="p0.json")
+    with pytest.raises(ValueError, match="fingerprint .* differs"):
+        shards.merge_manifests([other, parts[2], parts[0]], ["p0.json", "b", "c"])
+
+
+def test_fp8_storage_halves_the_bytes_within_its_error_bound(tmp_path, random_llama_target):
+    # Per-token, per-layer magnitudes from 1e-3 to 1e3: one scale per token and layer.
+    torch.manual_seed(0)
+    lengths, hidden, layers = [5, 9, 3], 64, 3
+    aux = [torch.randn(n, layers * hidden) * torch.logspace(-3, 3, n)[:, None] for n in lengths]
+    aux[0][:, :hidden] = 0  # all-zero rows keep scale 1, no division by zero
+    last = [torch.randn(n, hidden) * 50 for n in lengths]
+    ids = [torch.arange(n, dtype=torch.int32) for n in lengths]
+    masks = [torch.ones(n, dtype=torch.uint8) for n in lengths]
+    names = ["a", "b", "c"]
+    bf16 = shards.write_shard(tmp_path / "bf16.safetensors", names, ids, masks,
+                              [a.bfloat16() for a in aux], [h.bfloat16() for h in last])
+    fp8 = shards.write_shard(tmp_path / "fp8.safetensors", names, ids, masks, aux, last,
+                             storage_dtype="fp8")
+    tokens, index = sum(lengths), 8 * (len(lengths) + 1)  # cu_seqlens
+
+    def header(path):
+        return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    bf16_data = bf16["bytes"] - header(tmp_path / "bf16.safetensors") - index
+    fp8_data = fp8["bytes"] - header(tmp_path / "fp8.safetensors") - index
+    assert bf16_data == tokens * shards.bytes_per_token(layers, hidden, torch.bfloat16)
+    assert fp8_data == tokens * shards.bytes_per_token(layers, hidden, "fp8")
+    scales = tokens * (layers + 1) * 4
+    assert fp8_data - scales - 5 * tokens == (bf16_data - 5 * tokens) // 2  # exactly half + scales
+    assert shards.verify_shard(tmp_path / "fp8.safetensors", fp8["sha256"])
+
+    tensors, _ = shards.read_shard(tmp_path / "fp8.safetensors")  # dequantized transparently
+    assert tensors["aux_hidden_states"].dtype == torch.float32 and "aux_hidden_states_scale" not in tensors
+    for name, original in (("aux_hidden_states", torch.cat(aux)), ("last_hidden_state", torch.cat(last))):
+        groups = original.shape[1] // hidden
+        amax = original.view(tokens, groups, hidden).abs().amax(-1, keepdim=True).expand(-1, -1, hidden)
+        error = (tensors[name] - original).abs().view(tokens, groups, hidden)
+        # e4m3: 3 mantissa bits -> relative error <= 2^-4; subnormals: <= 2^-10 * amax/448.
+        bound = torch.maximum(original.abs().view_as(error) * 2**-4, amax * 2**-10 / 448)
+        assert (error <= bound * 1.0001).all(), name
+    assert (tensors["aux_hidden_states"][:5, :hidden] == 0).all()
+
+    # End to end: an fp8 extraction reads back close to the float32 one, at ~1/4 the bytes.
+    dataset = write_dataset(tmp_path / "train.parquet", 8)
+    full = run_extract(dataset, random_llama_target, tmp_path / "fp32")
+    small = run_extract(dataset, random_llama_target, tmp_path / "fp8", storage_dtype="fp8")
+    assert small["storage_dtype"] == "float8_e4m3fn" and small["fingerprint"] != full["fingerprint"]
+    assert small["bytes_per_token"] == 5 * (64 + 4) + 5 and full["bytes_per_token"] == 5 * 64 * 4 + 5
+    for a, b in zip(shards.load_manifest(tmp_path / "fp8" / "manifest.json").iter_samples(),
+                    shards.load_manifest(tmp_path / "fp32" / "manifest.json").iter_samples()):
+        torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"], rtol=0.07, atol=1e-3)
+
+
+def test_disk_without_room_fails_before_the_model_loads(tmp_path, random_llama_target, monkeypatch, capfd):
+    dataset = write_dataset(tmp_path / "train.parquet", 10)
+    table_tokens = int(pd.read_parquet(dataset).num_tokens.sum())
+    per_token = (len(AUX) + 1) * 64 * 4 + 5
+    real = shutil.disk_usage
+    # The disk: as many bytes free as the shards need, minus one token's worth.
+    monkeypatch.setattr(hidden_states.shutil, "disk_usage", lambda path: real(path)._replace(
+        free=table_tokens * per_token - per_token))
+    with pytest.raises(OSError, match=r"GiB free, but the shards still to extract need about .* "
+                                      rf"{table_tokens:,} tokens x {per_token:,} bytes.*fp8"):
+        run_extract(dataset, random_llama_target, tmp_path / "out")
+    assert LOADING_LINE not in capfd.readouterr().err and not shard_files(tmp_path / "out" / "cache")
+    # fp8 needs a quarter of float32's bytes: it fits.
+    assert run_extract(dataset, random_llama_target, tmp_path / "out", storage_dtype="fp8")["num_tokens"] == table_tokens
+
+
+def test_samples_over_the_target_context_follow_the_length_policy(tmp_path, random_llama_target):
+    # The random target's context (max_position_embeddings) is 512 tokens.
+    dataset = write_dataset(tmp_path / "train.parquet", 4, min_len=500, max_len=530, seed=3)
+    lengths = pd.read_parquet(dataset).num_tokens.tolist()
+    over = sum(n > 512 for n in lengths)
+    assert 0 < over < 4, lengths
+    cut = run_extract(dataset, random_llama_target, tmp_path / "cut", batch_tokens=600, shard_tokens=4000)
+    assert cut["truncated_samples"] == over and cut["num_tokens"] == sum(min(n, 512) for n in lengths)
+    dropped = run_extract(dataset, random_llama_target, tmp_path / "drop", batch_tokens=600,
+                          shard_tokens=4000, length_policy="drop")
+    assert dropped["dropped_samples"] == over and dropped["num_samples"] == 4 - over
+    kept = [s["id"] for s in shards.load_manifest(tmp_path / "drop" / "manifest.json").iter_samples()]
+    assert kept == [f"sample-{i}" for i, n in enumerate(lengths) if n <= 512]
