@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                     case.update(run_case(model, teacher_head, batch, args.ttt_steps, args.warmup,
                                          args.iters, device, profile=args.profile and first, ctx=ctx))
                     case["tokens_per_s"] = ctx.world_size * n / case["step_s_median"]
-                    case["mfu"] = case["tokens_per_s"] * flops["total"] / peak
+                    case["mfu"] = case["tokens_per_s"] * flops["total"] / (peak * ctx.world_size)
                 except Exception as exc:     # keep the other cases' numbers
                     case["error"] = f"{type(exc).__name__}: {exc}"
                     if device.type == "cuda":
