@@ -15,12 +15,15 @@ validate(config, "schemas/config.schema.yaml")
 
 
 include: "rules/common.smk"
+include: "rules/plan.smk"
 include: "rules/drain_helpers.smk"
 include: "rules/embedded.smk"
+include: "rules/regenerate.smk"
 include: "rules/dataset.smk"
 include: "rules/hidden_states.smk"
 include: "rules/vocab.smk"
 include: "rules/train.smk"
+include: "rules/streaming.smk"
 include: "rules/export.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
@@ -39,6 +42,8 @@ rule all:
 
 
 onstart:
+    start_plan()
+    start_streaming()
     if DRAIN["enabled"]:
         write_drain_plan()
 
@@ -47,9 +52,11 @@ onsuccess:
     restore_service("the workflow finished")
     print_summary(f"{RESULTS}/eval/summary.json", f"{RESULTS}/draft")
     print_downtime()
+    finish_plan()
 
 
 # Not reached on SIGKILL: the drain's watchdog restores the unit then.
 onerror:
     restore_service("the workflow failed")
     print_downtime()
+    finish_plan()

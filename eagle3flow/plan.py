@@ -62,10 +62,10 @@ STAGES = (
     ("prepare dataset", ("prepare_dataset",), False, ("results/dataset",)),
     # Answers come from the live server, before any drain: not a GPU stage of this run.
     ("regenerate", ("regenerate_responses",), False, ("results/regenerate", "cache/regenerate")),
-    ("extract", ("extract_hidden_states", "merge_hidden_states"), True,
+    ("extract", ("extract_hidden_states", "extract_partition", "merge_hidden_states"), True,
      ("results/hidden_states", "cache/hidden_states")),
     ("vocab", ("build_vocab_map",), False, ("results/vocab",)),
-    ("train", ("train_draft",), True, ("results/train", "cache/train")),
+    ("train", ("train_draft", "train_partition"), True, ("results/train", "cache/train", "cache/streaming")),
     ("export", ("export_draft",), False, ("results/draft",)),
     ("evaluate", ("evaluate_draft",), True, ("results/eval",)),
     ("report", ("build_report",), False, ("results/report",)),
@@ -593,45 +593,125 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     # --- status per stage, measured bytes, the peak
     now_per_stage, now_total = measure(config, root)
     results = root / layout(config)["results"]
-    rows, accounted, to_write = [], 0, 0
-    for name, prefixes, gpu, paths in STAGES:
-        if name not in proj:
-            if now_per_stage[name]:
-                accounted += now_per_stage[name]
-            continue
-        b, bb, s, sb = proj[name]
-        existing = now_per_stage[name]
-        done = stage_outputs_exist(name, results)
-        if will_run is not None:
-            jobs = sum(n for rule, n in will_run.items() if rule.startswith(prefixes))
-            # Not in the DAG and never made: the targets asked for do not need it.
-            status = "run" if jobs else "cached" if done else "skip"
-        else:
-            jobs = 0 if done else 1
-            status = "cached" if done else "run"
-        if status == "skip":
-            final, s = existing, 0.0
-        elif status == "cached":
-            final = existing or b
-        else:
-            # What a stage rewrites in results/ is replaced; its cache keeps old fingerprints
-            # and resumes the newest (taken as this run's partial work).
-            stale = sum(tree_bytes(real_path(p, config, root)) for p in paths if p.startswith("cache/"))
-            current = sum(newest_subdirs_bytes(real_path(p, config, root), FINGERPRINTED[p])
-                          for p in paths if p in FINGERPRINTED)
-            final = stale + max(0, b - current)
-            to_write += max(0, final - existing)
-        accounted += existing
-        rows.append(StageRow(name, gpu, status, int(final), bb, float(s), sb, jobs))
-    other = max(0, now_total - accounted)
-    peak = other + sum(r.bytes for r in rows)
-    plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
-                {**work, "target": target_basis, "draft_params": draft_params,
-                 "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
-                 "aux_layers": aux, "hidden_size": hidden,
-                 "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
-    plan.refusal = budget_refusal(plan, config, root)
+
+    def assemble(proj: dict, fingerprinted: dict = FINGERPRINTED) -> Plan:
+        rows, accounted, to_write = [], 0, 0
+        for name, prefixes, gpu, paths in STAGES:
+            if name not in proj:
+                if now_per_stage[name]:
+                    accounted += now_per_stage[name]
+                continue
+            b, bb, s, sb = proj[name]
+            existing = now_per_stage[name]
+            done = stage_outputs_exist(name, results)
+            if will_run is not None:
+                jobs = sum(n for rule, n in will_run.items() if rule.startswith(prefixes))
+                # Not in the DAG and never made: the targets asked for do not need it.
+                status = "run" if jobs else "cached" if done else "skip"
+            else:
+                jobs = 0 if done else 1
+                status = "cached" if done else "run"
+            if status == "skip":
+                final, s = existing, 0.0
+            elif status == "cached":
+                final = existing or b
+            else:
+                # What a stage rewrites in results/ is replaced; its cache keeps old fingerprints
+                # and resumes the newest (taken as this run's partial work).
+                stale = sum(tree_bytes(real_path(p, config, root)) for p in paths if p.startswith("cache/"))
+                current = sum(newest_subdirs_bytes(real_path(p, config, root), fingerprinted[p])
+                              for p in paths if p in fingerprinted)
+                final = stale + max(0, b - current)
+                to_write += max(0, final - existing)
+            accounted += existing
+            rows.append(StageRow(name, gpu, status, int(final), bb, float(s), sb, jobs))
+        other = max(0, now_total - accounted)
+        peak = other + sum(r.bytes for r in rows)
+        plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
+                    {**work, "target": target_basis, "draft_params": draft_params,
+                     "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
+                     "aux_layers": aux, "hidden_size": hidden,
+                     "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
+        plan.refusal = budget_refusal(plan, config, root)
+        return plan
+
+    plan = assemble(proj)
+    return _with_streaming(plan, assemble, proj, config, root, target)
+
+
+def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, target: dict) -> Plan:
+    """The plan with streaming partitions (eagle3flow/streaming.py) when the budget cannot
+    hold the full hidden states, or when a chain is already in progress here.
+
+    Streamed, the hidden states on disk at once are the eval split's plus F train
+    partitions ("in flight"): F = what the room left by every other stage holds, and the
+    extraction of the last epochs is repeated per epoch."""
+    from eagle3flow import streaming
+
+    pinned = streaming.pinned_chain(config, root)
+    if plan.refusal is None and pinned is None:
+        return plan
+    extract = next((s for s in plan.stages if s.name == "extract"), None)
+    if extract is None:
+        return plan
+    w = plan.workload
+    per_token = w["hidden_state_bytes_per_token"]
+    n, epochs = int(config["extract"]["partitions"]), int(config["train"]["epochs"])
+    exact = streaming.train_partition_tokens(config, root, target) if n > 1 else None
+    shard_tokens = int(config["extract"]["shard_tokens"])
+    if exact:
+        part_tokens = max(exact)
+    else:   # partitions are runs of whole shards
+        shards = max(1, math.ceil(w["train_tokens"] / shard_tokens))
+        part_tokens = min(w["train_tokens"], math.ceil(shards / n) * shard_tokens)
+    if n > 1 and (exact and min(exact) == 0 or w["train_tokens"] < n * shard_tokens):
+        plan.refusal = (plan.refusal or "storage budget: the plan does not fit.") + (
+            f"\n  - streaming needs at least one shard per partition: extract.shard_tokens "
+            f"{shard_tokens:,} with {w['train_tokens']:,} train tokens makes fewer than "
+            f"extract.partitions = {n} shards; set extract.shard_tokens <= {w['train_tokens'] // n:,}")
+        return plan
+    # Shard headers hold ~40 bytes of sample id per sample (as in the full projection).
+    part_bytes = part_tokens * per_token + math.ceil(w["train_samples"] / n) * 40
+    eval_bytes = w["eval_tokens"] * per_token + w["eval_samples"] * 40
+    full_bytes = proj["extract"][0]
+    # The previous link's final checkpoint and outputs (fp32 weights) stay until the next
+    # link is consumed.
+    previous_link = (CHECKPOINT_BYTES_PER_PARAM + 4) * w["draft_params"]
+    if pinned is not None:
+        chain = streaming.Chain(pinned.partitions, pinned.epochs, pinned.in_flight, part_bytes)
+    else:
+        allowed = allowed_peak(plan, config, root)
+        # What the extract row holds besides this run's hidden states (old fingerprints).
+        others = extract.bytes - max(0, full_bytes) if extract.status == "run" else 0
+        room = allowed - (plan.peak_bytes - extract.bytes) - max(0, others) - eval_bytes - previous_link
+        chain, why = streaming.chain_from_budget(n, epochs, room, part_bytes)
+        if chain is None:
+            if why:
+                plan.refusal = (plan.refusal or "storage budget: the plan does not fit.") + f"\n  - {why}"
+            return plan
+    b, _, s, sb = proj["extract"]
+    streamed = dict(proj)
+    streamed["extract"] = (eval_bytes + chain.in_flight * part_bytes,
+                           f"streamed: eval + {chain.in_flight} of {n} partitions x {part_tokens:,} tokens x "
+                           f"{per_token:,} B", s * epochs, sb + (f", x {epochs} epochs" if epochs > 1 else ""))
+    tb, tbb, ts, tsb = proj["train"]
+    streamed["train"] = (tb + previous_link, tbb + " + the previous link's", ts, tsb)
+    # The previous link's run and outputs are this run's too (counted in the train row).
+    plan = assemble(streamed, {**FINGERPRINTED, "cache/train": 2, "cache/streaming": 2})
+    plan.workload["streaming"] = {**chain.to_json(), "part_tokens": part_tokens, "pinned": pinned is not None}
+    plan.notes.append(chain.describe() + (" (pinned by results/streaming/chain.json)" if pinned else ""))
     return plan
+
+
+def streaming_chain(config: dict, root: str | os.PathLike):
+    """The chain the workflow streams (eagle3flow.streaming.Chain), or None: read by
+    rules/streaming.smk when the workflow is read."""
+    plan, _ = try_project(config, root, quiet=True)
+    if plan is None or "streaming" not in plan.workload:
+        return None
+    from eagle3flow.streaming import Chain
+    s = plan.workload["streaming"]
+    return Chain(s["partitions"], s["epochs"], s["in_flight"], s["part_bytes"])
 
 
 def check_when_read(config: dict, root: str | os.PathLike) -> str | None:
@@ -645,7 +725,8 @@ def check_when_read(config: dict, root: str | os.PathLike) -> str | None:
     return try_project(config, root)[1]
 
 
-def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] | None = None):
+def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] | None = None,
+                quiet: bool = False):
     """(plan, refusal). A plan that cannot be made (the target's config.json or the dataset
     not here yet) is a refusal only when a budget is set; else a warning and (None, None)."""
     try:
@@ -654,7 +735,8 @@ def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] 
         storage = config.get("storage") or {}
         if storage.get("max_bytes") is not None or parse_bytes(storage.get("min_free_bytes")):
             return None, f"storage budget: cannot project the disk this run needs: {error}"
-        print(f"eagle3flow.plan: no plan ({error})", file=sys.stderr)
+        if not quiet:
+            print(f"eagle3flow.plan: no plan ({error})", file=sys.stderr)
         return None, None
     return plan, plan.refusal
 
@@ -697,11 +779,19 @@ def budget_refusal(plan: Plan, config: dict, root: Path) -> str | None:
                         f"= {format_bytes(min_free)} must stay free")
     if not problems:
         return None
-    # The largest peak that would pass both checks.
-    allowed = min(x for x in (max_bytes, free - min_free + plan.peak_bytes - plan.to_write_bytes)
-                  if x is not None)
+    allowed = allowed_peak(plan, config, root)
     return "storage budget: " + "; ".join(problems) + ".\n" + "\n".join(
         "  - " + s for s in what_would_fit(plan, config, allowed))
+
+
+def allowed_peak(plan: Plan, config: dict, root: Path) -> int:
+    """The largest peak of results/ + cache/ that passes both checks of the budget."""
+    storage = config.get("storage") or {}
+    max_bytes = parse_bytes(storage.get("max_bytes"))
+    min_free = parse_bytes(storage.get("min_free_bytes")) or 0
+    free = free_bytes(root / layout(config)["cache"])
+    return min(x for x in (max_bytes, free - min_free + plan.peak_bytes - plan.to_write_bytes)
+               if x is not None)
 
 
 def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
@@ -728,9 +818,8 @@ def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
         out.append(f"fp8 shards: extract.storage_dtype: fp8 would need "
                    f"{format_bytes(fixed + fp8)} ({verdict})")
     partitions = max(2, math.ceil(hs / max(room / 2, 1)))
-    out.append(f"streaming: {partitions} partitions, at most 2 on disk at a time, would need "
-               f"~{format_bytes(fixed + 2 * hs / partitions)} (streaming partitions are not built yet: "
-               "issue #8)")
+    out.append(f"streaming: extract.partitions: {partitions} (at most 2 on disk at a time) would need "
+               f"~{format_bytes(fixed + 2 * hs / partitions)}")
     out.append(f"or raise storage.max_bytes to {format_bytes(plan.peak_bytes * 1.05)}")
     return out
 

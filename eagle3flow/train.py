@@ -7,7 +7,16 @@ Resumable: checkpoints go to ``cache_root/<fingerprint>/step-XXXXXXXX/state.pt``
 (trainable params, optimizer, scheduler, data position, RNG states), written
 atomically; a killed run continues from the latest one and, on CPU, reproduces the
 uninterrupted run's losses bitwise. The fingerprint covers the data manifests'
-checksums, the vocab map, the target and the training config.
+checksums, the vocab map, the target and the training config. ``done.json`` in the
+run directory, written after the final checkpoint and the outputs, marks a finished
+run: a rerun returns at once (without reading a shard).
+
+Chained runs (streaming partitions, eagle3flow/streaming.py): ``--init-from`` starts
+from another run's checkpoint (weights, optimizer, scheduler, RNG, global step and the
+metrics so far), ``--schedule-tokens`` spreads the LR schedule over every link's
+tokens instead of this manifest's, and ``--data-epoch`` numbers the epoch (the
+shuffle's seed). All three enter the fingerprint, so each link has its own run
+directory and resumes there after a kill.
 
 Data order and batches: eagle3flow/train_data.py. ``batch_tokens`` is the GLOBAL
 batch: under torchrun (``python -m eagle3flow.launch``, eagle3flow/distributed.py)
@@ -228,7 +237,10 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
 TRAINER_VERSION = 2
 
 
-def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: str | Path, config: dict) -> str:
+def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: str | Path, config: dict,
+                chain: dict | None = None) -> str:
+    """``chain``: the chained-run settings (init checkpoint identity, schedule tokens, data
+    epoch); left out of the key when None so an unchained run keeps its fingerprint."""
     target_path = Path(target_path)
     files = sorted({p.name for p in tensor_locations(target_path).values()})
     key = {
@@ -240,10 +252,24 @@ def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: st
         "target_files": [(f, (target_path / f).stat().st_size) for f in files],
         "config": {k: v for k, v in config.items() if k not in NOT_FINGERPRINTED},
     }
+    if chain:
+        key["chain"] = chain
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+DONE_FILE = "done.json"
+
+
+def checkpoint_identity(path: str | Path) -> dict:
+    """``{"run", "step"}`` of ``.../<fingerprint>/step-XXXXXXXX[/state.pt]``: run directories are
+    named by fingerprint, so the path names the checkpoint's content (no need to read it)."""
+    path = Path(path)
+    step_dir = path.parent if path.name == "state.pt" else path
+    m = STEP_DIR.match(step_dir.name)
+    if not m:
+        raise ValueError(f"--init-from {path}: expected a checkpoint .../<run>/step-XXXXXXXX[/state.pt]")
+    return {"run": step_dir.parent.name, "step": int(m.group(1))}
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -313,10 +339,10 @@ def read_metrics(path: Path, up_to_step: int) -> list[str]:
     return lines
 
 
-def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
+def lr_lambda(total_steps: float, warmup_steps: int, min_ratio: float):
+    def f(step: float) -> float:
+        if step < warmup_steps:   # (a chained run's steps are fractional: never above 1)
+            return min(1.0, (step + 1) / warmup_steps)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
@@ -326,17 +352,25 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
 
 def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_map: str | Path,
           target_path: str | Path, out_dir: str | Path, cache_root: str | Path,
-          config: dict | None = None) -> dict:
+          config: dict | None = None, init_from: str | Path | None = None,
+          schedule_tokens: int | None = None, data_epoch: int = 0) -> dict:
     """Train (or resume) and write the declared outputs into ``out_dir``; returns eval.json's dict.
 
     Under torchrun every rank calls this; rank 0 writes and returns the result, the
-    others return ``{}``.
+    others return ``{}``. ``init_from``: a checkpoint (``.../step-XXXXXXXX[/state.pt]``)
+    to start from when this run has none of its own; ``schedule_tokens``: the tokens the
+    LR schedule spans (default: this manifest's x epochs, counted in steps); ``data_epoch``:
+    the number of this run's first epoch (seeds the shuffle).
     """
     cfg = resolve_train_config(config)
+    if schedule_tokens is not None and int(schedule_tokens) < 1:
+        raise ValueError(f"schedule_tokens must be >= 1, got {schedule_tokens}")
+    if int(data_epoch) < 0:
+        raise ValueError(f"data_epoch must be >= 0, got {data_epoch}")
     ctx = init_distributed(cfg["device"])
     try:
         return _train(ctx, cfg, train_manifest, eval_manifest, vocab_map, target_path,
-                      Path(out_dir), Path(cache_root))
+                      Path(out_dir), Path(cache_root), init_from, schedule_tokens, int(data_epoch))
     finally:
         ctx.close()
 
@@ -346,12 +380,24 @@ def _autocast(device: torch.device):
 
 
 def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map, target_path,
-           out_dir: Path, cache_root: Path) -> dict:
+           out_dir: Path, cache_root: Path, init_from=None, schedule_tokens: int | None = None,
+           data_epoch: int = 0) -> dict:
     manifest = load_manifest(train_manifest)
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if ctx.is_main else (lambda msg: None)
+    chain = None
+    if init_from is not None or schedule_tokens is not None or data_epoch:
+        chain = {"init_from": checkpoint_identity(init_from) if init_from is not None else None,
+                 "schedule_tokens": schedule_tokens, "data_epoch": data_epoch}
+    fp = fingerprint(manifest, vocab_map, target_path, cfg, chain)
+    run_dir = cache_root / fp
+    finished = _finished_result(run_dir, out_dir, fp)
+    if finished is not None:
+        # A rerun of a finished run (e.g. killed after it, while its shards were deleted).
+        log(f"train: already finished in {run_dir} (step {finished['steps']}); nothing to do")
+        return finished if ctx.is_main else {}
     d2t, t2d = load_vocab_map(vocab_map)
     device = ctx.device
     autocast = device.type == "cuda"
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if ctx.is_main else (lambda msg: None)
     model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"])
     if manifest.hidden_size != model.config.target_hidden_size:
         raise ValueError(f"{manifest.path}: hidden_size {manifest.hidden_size} != target hidden size "
@@ -372,37 +418,64 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     def plan(epoch: int):
         if epoch not in epoch_plans:
             epoch_plans.clear()
-            epoch_plans[epoch] = plan_batches(data, epoch_order(data, cfg["seed"], epoch),
-                                              cfg["batch_tokens"], seed=f"{cfg['seed']}-epoch-{epoch}")
+            seed_epoch = data_epoch + epoch
+            epoch_plans[epoch] = plan_batches(data, epoch_order(data, cfg["seed"], seed_epoch),
+                                              cfg["batch_tokens"], seed=f"{cfg['seed']}-epoch-{seed_epoch}")
         return epoch_plans[epoch]
 
     steps_per_epoch = [len(plan(e)) for e in range(cfg["epochs"])]
-    total_steps = sum(steps_per_epoch)
-    warmup = max(1, int(round(cfg["warmup_ratio"] * total_steps)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg["min_lr_ratio"]))
+    # Tokens trained so far over the whole chain: the LR of a chained run follows them.
+    tokens_done = [0]
+    if schedule_tokens is None:
+        schedule_steps = sum(steps_per_epoch)
+        warmup = max(1, int(round(cfg["warmup_ratio"] * schedule_steps)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule_steps, warmup,
+                                                                           cfg["min_lr_ratio"]))
+    else:
+        # The chain's step count is not known before every partition is extracted; its
+        # tokens are. The schedule runs on "virtual steps" of batch_tokens tokens each.
+        virtual_steps = schedule_tokens / cfg["batch_tokens"]
+        warmup = max(1, int(round(cfg["warmup_ratio"] * virtual_steps)))
+        by_tokens = lr_lambda(virtual_steps, warmup, cfg["min_lr_ratio"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda _step: by_tokens(tokens_done[0] / cfg["batch_tokens"]))
 
-    fp = fingerprint(manifest, vocab_map, target_path, cfg)
-    run_dir = cache_root / fp
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
-                                                    "train_manifest": str(train_manifest)})
-    step, epoch, batch_index, best = 0, 0, 0, None
+                                                    "train_manifest": str(train_manifest), "chain": chain})
+    step, epoch, batch_index, best, base_step = 0, 0, 0, None, 0
+    history_from = None            # another run's metrics.jsonl this run's history starts with
     checkpoints = list_checkpoints(run_dir)
+    state = None
     if checkpoints:
         state = torch.load(checkpoints[-1][1] / "state.pt", map_location="cpu", weights_only=False)
+        step, epoch, batch_index = state["step"], state["data"]["epoch"], state["data"]["batch_index"]
+        best, base_step = state.get("best"), state.get("base_step", 0)
+        log(f"train: resuming from {checkpoints[-1][1]} (step {step}/{base_step + sum(steps_per_epoch)}, "
+            f"saved by {state.get('world_size', 1)} process(es), now {ctx.world_size})")
+    elif init_from is not None:
+        init_path = Path(init_from)
+        init_path = init_path if init_path.name == "state.pt" else init_path / "state.pt"
+        if not init_path.is_file():
+            raise FileNotFoundError(f"--init-from {init_from}: no checkpoint there")
+        state = torch.load(init_path, map_location="cpu", weights_only=False)
+        step = base_step = state["step"]
+        history_from = init_path.parent.parent / "metrics.jsonl"
+        log(f"train: starting from {init_path.parent} (step {step}, "
+            f"{state.get('tokens_done', 0):,} tokens of the chain trained)")
+    if state is not None:
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step, epoch, batch_index = state["step"], state["data"]["epoch"], state["data"]["batch_index"]
-        best = state.get("best")
+        tokens_done[0] = int(state.get("tokens_done", 0))
         set_rng_state(state["rng"])
-        log(f"train: resuming from {checkpoints[-1][1]} (step {step}/{total_steps}, "
-            f"saved by {state.get('world_size', 1)} process(es), now {ctx.world_size})")
+        del state
+    total_steps = base_step + sum(steps_per_epoch)
 
     metrics_paths = (run_dir / "metrics.jsonl", out_dir / "metrics.jsonl")
     if ctx.is_main:
-        history = read_metrics(metrics_paths[0], step)
+        history = read_metrics(history_from or metrics_paths[0], step)
         for path in metrics_paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "w") as f:
@@ -432,6 +505,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
             "data": {"epoch": next_epoch, "batch_index": next_batch,
                      "next_sample": None if position is None else {"shard": position[0], "offset": position[1]}},
             "rng": rng_state(), "fingerprint": fp, "best": best, "world_size": ctx.world_size,
+            "tokens_done": tokens_done[0], "base_step": base_step,
         }
         save_checkpoint(run_dir, step, state, cfg["keep_checkpoints"], best["step"] if best else None)
         if best is not None:
@@ -478,6 +552,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
+        tokens_done[0] += global_tokens[k]
         scheduler.step()
         step += 1
         window["tokens"] += global_tokens[k]
@@ -492,7 +567,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
                 torch.cuda.synchronize(device)
             now = time.perf_counter()
             tokens_per_s = window["tokens"] / max(now - window["t0"], 1e-9)
-            row = {"step": step, "epoch": epoch, "loss": summed[0],
+            row = {"step": step, "epoch": data_epoch + epoch, "loss": summed[0],
                    "step_loss": summed[2:2 + num_steps],
                    "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],
                    "step_rows": [int(c) for c in counts], "grad_norm": float(grad_norm), "lr": lr,
@@ -525,13 +600,33 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
               str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
     atomic_write_json(out_dir / "draft_config.json", model.config.to_dict())
     result = {"train_config": cfg, "fingerprint": fp, "steps": step, "world_size": ctx.world_size,
-              "flops_per_token": flops_per_token, "best_checkpoint": best}
+              "flops_per_token": flops_per_token, "best_checkpoint": best,
+              "tokens_done": tokens_done[0], "chain": chain,
+              "final_checkpoint": str(run_dir / f"step-{step:08d}")}
     if eval_split is not None:
         result.update(evaluate())
         log(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
             f"{result['simulated_acceptance_length']}")
     atomic_write_json(out_dir / "eval.json", result)
+    # Last: the final checkpoint and the outputs are on disk.
+    atomic_write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done[0],
+                                            "checkpoint": result["final_checkpoint"],
+                                            "out_dir": str(out_dir), "finished_at": time.time()})
     return result
+
+
+def _finished_result(run_dir: Path, out_dir: Path, fp: str) -> dict | None:
+    """eval.json of this very run when it finished (done.json) and its outputs are in ``out_dir``."""
+    try:
+        with open(run_dir / DONE_FILE) as f:
+            done = json.load(f)
+        with open(out_dir / "eval.json") as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    finished = (done.get("fingerprint") == fp and result.get("fingerprint") == fp
+                and all((out_dir / name).is_file() for name in ("draft.safetensors", "draft_config.json")))
+    return result if finished else None
 
 
 def load_trained(train_dir: str | Path, target_path: str | Path, device="cpu") -> Eagle3Draft:
@@ -559,13 +654,21 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--cache-root", required=True)
     parser.add_argument("--config-json", default="{}", help=f"JSON with keys of {sorted(TRAIN_DEFAULTS)}")
+    parser.add_argument("--init-from", default=None,
+                        help="chained run: start from this checkpoint (.../step-XXXXXXXX) when "
+                             "this run has none of its own")
+    parser.add_argument("--schedule-tokens", type=int, default=None,
+                        help="chained run: tokens the LR schedule spans (every link's)")
+    parser.add_argument("--data-epoch", type=int, default=0,
+                        help="chained run: the number of this run's first epoch (seeds the shuffle)")
     args = parser.parse_args(argv)
     try:
         config = json.loads(args.config_json)
     except json.JSONDecodeError as e:
         parser.error(f"--config-json is not valid JSON: {e}")
     train(args.train_manifest, args.eval_manifest, args.vocab_map, args.target, args.out_dir,
-          args.cache_root, config)
+          args.cache_root, config, init_from=args.init_from, schedule_tokens=args.schedule_tokens,
+          data_epoch=args.data_epoch)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+# Helpers of rules/streaming.smk (what the chain is, its files and each link's inputs).
+from eagle3flow import streaming as streaming_lib
+
+# The chain (eagle3flow.streaming.Chain) when the budget makes this run stream, else None.
+STREAM = plan_lib.streaming_chain(config, os.getcwd())
+STREAM_DIR = f"{RESULTS}/streaming"
+STREAM_PART = (
+    f"{RESULTS}/hidden_states/stream/link-{{link}}/{{split}}-part-{{part}}-of-{{partitions}}.json"
+)
+STREAM_LAST = STREAM.links - 1 if STREAM is not None else None
+# Links consumed by earlier runs are no jobs of this run (train_partition's wildcard
+# constraint leaves them out): their markers are plain source files, so no rerun
+# trigger (a changed train param, a new workflow version) can rerun one and with it the
+# extraction of its partition, and the inputs that name them stay the same.
+STREAM_CONSUMED = (
+    streaming_lib.consumed_links(STREAM, STREAM_DIR) if STREAM is not None else set()
+)
+STREAM_LAUNCH = (
+    f"--nproc {config['train']['nproc'] or 'auto'} --nodes {config['train']['nodes']}"
+    f" --device {config['train']['device']}"
+)
+STREAM_TRAIN_SHELL = (
+    "{params.gpu_prelude}"
+    "python -m eagle3flow.streaming train-link {params.link_args}"
+    " --train-manifest {input.train} --stats {input.stats} --vocab-map {input.vocab_map}"
+    " --target {input.target:q} --cache-root {params.cache} --config-json {params.cfg}"
+    " --marker {output.consumed} --launch={params.launch:q} 2>&1 | tee {log}"
+)
+
+
+def start_streaming():
+    """onstart: say how the run streams and pin the chain."""
+    if STREAM is not None:
+        print(STREAM.describe(), flush=True)
+        streaming_lib.write_chain(STREAM, RESULTS)
+
+
+def stream_part_pattern(split):
+    """A link's part manifest of ``split``, with the {link} and {part} wildcards."""
+    return STREAM_PART.format(link="{link}", split=split, part="{part}", partitions=STREAM.partitions)
+
+
+def stream_manifest(split, link):
+    return STREAM_PART.format(link=link, split=split, part=STREAM.partition_of(link),
+                              partitions=STREAM.partitions)
+
+
+def consumed(link):
+    return f"{STREAM_DIR}/{streaming_lib.consumed_name(link)}"
+
+
+def consumed_input(link):
+    return [] if link is None else consumed(link)
+
+
+def extraction_gate(wildcards):
+    """Extraction of link j starts once link j-F is consumed (its shards deleted)."""
+    return consumed_input(STREAM.waits_for(int(wildcards.link)))
+
+
+def link_inputs(link):
+    inputs = dict(
+        train=stream_manifest("train", link),
+        vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+        stats=f"{RESULTS}/dataset/stats.json",
+        target=target_input(),
+    )
+    if link > 0:
+        inputs["previous"] = consumed_input(link - 1)
+    return inputs
+
+
+def link_out_dir(link):
+    return f"{RESULTS}/train" if link == STREAM_LAST else f"{CACHE}/streaming/link-{link}"
+
+
+def link_args(link):
+    """train-link options of link ``link``."""
+    args = (f"--link {link} --partitions {STREAM.partitions} --epochs {STREAM.epochs}"
+            f" --in-flight {STREAM.in_flight} --out-dir {link_out_dir(link)}")
+    if link > 0:
+        args += f" --previous {consumed(link - 1)} --previous-out-dir {link_out_dir(link - 1)}"
+    if link == STREAM_LAST:
+        args += f" --eval-manifest {RESULTS}/hidden_states/eval/manifest.json"
+    return args
+
+
+# The drain of each streaming GPU stage waits for the inputs of its first job.
+STREAMING_DRAIN_INPUTS = (
+    dict(
+        extract_partition=EXTRACT_INPUTS,
+        train_partition=link_inputs(0),
+        train_partition_last=link_inputs(STREAM_LAST),
+    )
+    if STREAM is not None
+    else {}
+)

@@ -1,0 +1,349 @@
+"""Streaming partitions (eagle3flow/streaming.py, rules/streaming.smk).
+
+Fast: the partition plan equals extraction's, the chain the budget allows, and a
+chained link (real training subprocesses) that starts from the previous link's
+checkpoint and consumes its partition.
+
+Slow, one module-scoped pair of Snakemake runs on the embedded default target (built
+once per session): an unbudgeted run, then a run whose storage budget is smaller
+than the full hidden states, SIGKILLed while training partition 1 and rerun. Its
+measured peak disk stays under the budget, no consumed partition is extracted again,
+training resumes from its checkpoint, and vLLM's acceptance of its draft is within
+noise of the unbudgeted draft's (both served in the one evaluation).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3flow import plan as plan_lib
+from eagle3flow import streaming
+from test_workflow import kill_when, snakemake, start_snakemake, workflow_copy
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- fast
+
+def test_partition_plan_is_extractions():
+    """The plan projects partitions without torch; they must be extraction's own."""
+    import numpy as np
+
+    from eagle3flow.hidden_states import plan_partitions, plan_shards
+
+    rng = random.Random(0)
+    for _ in range(20):
+        lengths = [rng.randint(1, 600) for _ in range(rng.randint(1, 300))]
+        shard_tokens, count = rng.choice([256, 1000, 4096]), rng.randint(1, 6)
+        shards = plan_shards(np.array(lengths), shard_tokens)
+        expected = [sum(s.num_tokens for s in part) for part in plan_partitions(shards, count)]
+        assert streaming.partition_tokens(streaming.plan_shard_tokens(lengths, shard_tokens), count) == expected
+
+
+def test_chain_from_budget():
+    chain, why = streaming.chain_from_budget(4, 2, room_bytes=250, part_bytes=100)
+    assert why is None and (chain.in_flight, chain.links) == (2, 8)
+    assert [chain.waits_for(j) for j in range(4)] == [None, None, 0, 1]
+    assert [(chain.epoch_of(j), chain.partition_of(j)) for j in (3, 4, 7)] == [(0, 3), (1, 0), (1, 3)]
+    assert streaming.chain_from_budget(4, 1, room_bytes=400, part_bytes=100) == (None, None)   # all fit
+    chain, why = streaming.chain_from_budget(4, 1, room_bytes=50, part_bytes=100)
+    assert chain is None and "not even one of the 4 partitions" in why
+    chain, why = streaming.chain_from_budget(1, 1, room_bytes=50, part_bytes=100)
+    assert chain is None and "extract.partitions: N" in why
+
+
+@pytest.fixture(scope="module")
+def two_parts(random_llama_target, tmp_path_factory):
+    """Two partitions' manifests (hidden states of the random target) and a vocab map."""
+    from test_train import make_hidden_states, make_vocab_map
+
+    root = tmp_path_factory.mktemp("stream_parts")
+    parts = [make_hidden_states(random_llama_target, root / f"part{k}", num_samples=8, seed=k,
+                                samples_per_shard=4) for k in range(2)]
+    vocab = make_vocab_map(parts[0], 512, 128, root / "vocab_map.safetensors")
+    stats = root / "stats.json"
+    tokens = sum(json.loads(p.read_text())["num_tokens"] for p in parts)
+    stats.write_text(json.dumps({"splits": {"train": {"tokens": tokens}}}))
+    return parts, vocab, stats
+
+
+def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_parts, random_llama_target,
+                                                                        tmp_path, capfd):
+    parts, vocab, stats = two_parts
+    for k, part in enumerate(parts):   # consumed below: work on copies
+        shutil.copytree(part.parent, tmp_path / f"part{k}")
+        data = json.loads(part.read_text())
+        data["shard_dir"] = str(tmp_path / f"part{k}" / "shards")
+        (tmp_path / f"part{k}" / "manifest.json").write_text(json.dumps(data))
+    manifests = [tmp_path / f"part{k}" / "manifest.json" for k in range(2)]
+    chain = streaming.Chain(partitions=2, epochs=1, in_flight=1)
+    cfg = {"batch_tokens": 128, "checkpoint_every": 2, "ttt_steps": 2, "lr": 3e-3, "log_every": 1,
+           "draft": {"intermediate_size": 64}}
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    markers = [tmp_path / "streaming" / streaming.consumed_name(j) for j in range(2)]
+    first = streaming.train_link(0, chain, manifests[0], None, None, stats, vocab, random_llama_target,
+                                 cache, out / "link-0", cfg, markers[0], [])
+    assert first["step"] > 2 and Path(first["checkpoint"], "state.pt").is_file()
+    assert not list((tmp_path / "part0" / "shards").iterdir()), "consumed shards are deleted"
+    second = streaming.train_link(1, chain, manifests[1], None, markers[0], stats, vocab, random_llama_target,
+                                  cache, out / "final", cfg, markers[1], [], previous_out_dir=out / "link-0")
+    log = capfd.readouterr().err
+    assert f"train: starting from {first['checkpoint']} (step {first['step']}" in log
+    assert second["step"] > first["step"] and second["tokens_done"] == stats_tokens(stats)
+    # One history of the chain, the LR schedule over all of it (decayed to min_lr_ratio).
+    rows = [json.loads(line) for line in (out / "final" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, second["step"] + 1))
+    lrs = [r["lr"] for r in rows]
+    assert max(lrs) == pytest.approx(3e-3, rel=0.05) and lrs[-1] < 0.5 * 3e-3
+    assert lrs[first["step"]] <= lrs[first["step"] - 1], "the schedule goes on, no new warmup"
+    assert not Path(first["run_dir"]).exists() and not (out / "link-0").exists(), "previous link pruned"
+    assert json.loads(markers[1].read_text())["manifest"]["num_tokens"] == json.loads(
+        manifests[1].read_text())["num_tokens"]
+    # Killed after training, before the job ended: the rerun trains nothing, needs no shard.
+    again = streaming.train_link(1, chain, manifests[1], None, markers[0], stats, vocab, random_llama_target,
+                                 cache, out / "final", cfg, markers[1], [], previous_out_dir=out / "link-0")
+    assert again["step"] == second["step"] and "already finished" in capfd.readouterr().err
+
+
+def stats_tokens(stats: Path) -> int:
+    return json.loads(stats.read_text())["splits"]["train"]["tokens"]
+
+
+# ---------------------------------------------------------------- the workflow, streamed
+
+SIZES = {
+    "dataset": {"max_samples": 400},
+    "extract": {"shard_tokens": 1024},
+    "train": {"epochs": 1, "batch_tokens": 1024, "checkpoint_every": 3, "log_every": 3},
+    "evaluate": {"num_prompts": 32, "max_tokens": 32},
+    "storage": {"sample_interval_s": 0.2},
+}
+PARTITIONS = 3
+SIZES_TTT_STEPS = 7   # train.ttt_steps, the default
+
+
+def place_embedded(build: Path, workdir: Path) -> None:
+    """The session's embedded build as this workflow's (Snakemake then does not rebuild it)."""
+    dest = workdir / "results" / "embedded"
+    dest.mkdir(parents=True)
+    shutil.copytree(build / "target", dest / "target")
+    for name in ("conversations.jsonl", "build_stats.json"):
+        shutil.copy2(build / name, dest / name)
+
+
+def run_args(config: Path) -> list[str]:
+    """Options after the targets (--configfile takes every word after it)."""
+    return ["--profile", "profiles/embedded", "--cores", "2",
+            "--configfile", "profiles/embedded/workflow.yaml", str(config)]
+
+
+def write_config(path: Path, **extra) -> Path:
+    config = json.loads(json.dumps(SIZES))
+    for key, value in extra.items():
+        config.setdefault(key, {}).update(value)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def measured_peak(workdir: Path) -> int:
+    """The peak of the last run's disk sampler, once it has seen the run end."""
+    path = workdir / "results" / "plan" / "disk_peak.json"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        data = json.loads(path.read_text())
+        if data.get("finished") or "projected_peak_bytes" in data:
+            return int(data["peak_bytes"])
+        time.sleep(0.2)
+    pytest.fail(f"{path}: the disk sampler did not finish")
+
+
+@pytest.fixture(scope="module")
+def streamed(embedded_default_build, tmp_path_factory):
+    root = tmp_path_factory.mktemp("streaming")
+    timings = {}
+
+    # 1. Unbudgeted: the full hidden states, one training run, the exported draft.
+    full = workflow_copy(root / "full")
+    place_embedded(embedded_default_build, full)
+    t0 = time.monotonic()
+    result = snakemake(full, "results/draft/model.safetensors", *run_args(write_config(root / "full.yaml")),
+                       timeout=1200)
+    timings["unbudgeted"] = time.monotonic() - t0
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    full_peak = measured_peak(full)
+    train_hidden = plan_lib.tree_bytes(full / "cache" / "hidden_states")
+
+    # 2. The same data under a budget smaller than the full hidden states: 3 partitions,
+    #    room for one at a time (two would need a third of the train split more).
+    stream = root / "stream"
+    shutil.copytree(full, stream, symlinks=True)
+    for rel in ("cache", "logs", "results/hidden_states", "results/train", "results/draft", "results/plan",
+                "results/benchmarks"):
+        shutil.rmtree(stream / rel, ignore_errors=True)
+    budget = int(full_peak - train_hidden / PARTITIONS)
+    config = write_config(root / "stream.yaml", extract={"partitions": PARTITIONS},
+                          storage={"max_bytes": budget},
+                          evaluate={"compare_drafts": {"unbudgeted": str(full / "results" / "draft")}})
+    # The evaluation of both drafts, and the record of what the chain consumed.
+    args = ["results/eval/summary.json", "results/hidden_states/train/manifest.json", *run_args(config)]
+
+    # 3. Killed while training partition 1, once it has a checkpoint of its own.
+    log1 = root / "killed.log"
+    t0 = time.monotonic()
+    proc = start_snakemake(stream, *args, log=log1, EAGLE3FLOW_TEST_STEP_DELAY="0.5")
+
+    def link1_checkpointed():
+        marker = streaming.read_json(stream / "results" / "streaming" / "consumed-0.json")
+        if not marker:
+            return False
+        steps = [int(p.name.split("-")[1]) for p in (stream / "cache" / "train").glob("*/step-*")]
+        return any(s > marker["step"] for s in steps)
+
+    kill_when(proc, link1_checkpointed, 900, "a checkpoint of partition 1", log1)
+    timings["killed run"] = time.monotonic() - t0
+    killed_peak = measured_peak(stream)
+    consumed0 = json.loads((stream / "results" / "streaming" / "consumed-0.json").read_text())
+    extract0_log = stream / "logs" / "extract_partition_0_0.log"
+    extract0_stamp = extract0_log.stat().st_mtime_ns
+    resumed_step = max(int(p.name.split("-")[1]) for p in (stream / "cache" / "train").glob("*/step-*"))
+
+    # 4. Rerun to the end (evaluation of both drafts included).
+    t0 = time.monotonic()
+    rerun = snakemake(stream, *args, timeout=1200)
+    timings["rerun"] = time.monotonic() - t0
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-6000:]
+    print(f"streaming test timings: {timings}")
+    rerun_peak = measured_peak(stream)
+    projected = json.loads((stream / "results" / "plan" / "disk_peak.json").read_text())["projected_peak_bytes"]
+    return {"full": full, "stream": stream, "budget": budget, "full_peak": full_peak,
+            "killed_peak": killed_peak, "rerun_peak": rerun_peak, "projected_peak": projected,
+            "train_hidden": train_hidden,
+            "consumed0": consumed0, "extract0_log": extract0_log, "extract0_stamp": extract0_stamp,
+            "resumed_step": resumed_step, "output": log1.read_text() + rerun.stdout + rerun.stderr,
+            "rerun_output": rerun.stdout + rerun.stderr}
+
+
+@pytest.mark.slow
+def test_budget_smaller_than_hidden_states_streams_under_the_budget(streamed):
+    s = streamed
+    stream = s["stream"]
+    assert s["budget"] < s["full_peak"], "the budget must be smaller than the unbudgeted run's peak"
+    assert "streaming: 3 partitions of the train split, at most 1 on disk at a time" in s["output"]
+    chain = json.loads((stream / "results" / "streaming" / "chain.json").read_text())
+    assert (chain["partitions"], chain["in_flight"]) == (PARTITIONS, 1)
+    # Measured (F's sampler, both runs), not projected.
+    assert max(s["killed_peak"], s["rerun_peak"]) < s["budget"], (s["killed_peak"], s["rerun_peak"], s["budget"])
+    # The plan projects the streamed peak (eval + one partition), not the full one.
+    assert abs(s["projected_peak"] - s["rerun_peak"]) <= 0.1 * s["rerun_peak"], (s["projected_peak"], s["rerun_peak"])
+    # Every partition consumed, its shards gone; the eval split's kept.
+    for link in range(PARTITIONS):
+        marker = json.loads((stream / "results" / "streaming" / f"consumed-{link}.json").read_text())
+        assert marker["shards"] and not any(
+            (Path(marker["shard_dir"]) / e["file"]).exists() for e in marker["shards"]), link
+    record = json.loads((stream / "results" / "hidden_states" / "train" / "manifest.json").read_text())
+    full_manifest = json.loads((s["full"] / "results" / "hidden_states" / "train" / "manifest.json").read_text())
+    assert record["streamed"]["shards_deleted"] and record["num_tokens"] == full_manifest["num_tokens"]
+    assert [e["sha256"] for e in record["shards"]] == [e["sha256"] for e in full_manifest["shards"]], \
+        "the same shards, bit for bit, as the unbudgeted run's"
+
+
+@pytest.mark.slow
+def test_kill_mid_chain_reextracts_nothing_consumed_and_resumes(streamed):
+    s = streamed
+    stream = s["stream"]
+    assert s["extract0_log"].stat().st_mtime_ns == s["extract0_stamp"], "partition 0 was extracted again"
+    # Partitions 0 (consumed) and 1 (in training when killed) were extracted by the first
+    # run: the rerun extracts partition 2 only, and trains links 1 (resumed) and 2.
+    jobs = plan_lib.parse_job_stats(s["rerun_output"])
+    assert (jobs.get("extract_partition"), jobs.get("train_partition"), jobs.get("train_partition_last")) \
+        == (1, 1, 1), jobs
+    train1 = (stream / "logs" / "train_partition_1.log").read_text()
+    assert f"resuming from" in train1 and f"(step {s['resumed_step']}/" in train1, train1[-3000:]
+    # No progress lost: the chain ends at the sum of its links' steps.
+    eval_json = json.loads((stream / "results" / "train" / "eval.json").read_text())
+    markers = [json.loads((stream / "results" / "streaming" / f"consumed-{j}.json").read_text())
+               for j in range(PARTITIONS)]
+    assert markers[0]["checkpoint"] == s["consumed0"]["checkpoint"], "link 0 was not redone"
+    assert eval_json["steps"] == markers[-1]["step"] > markers[1]["step"] > markers[0]["step"]
+    rows = [json.loads(line) for line in (stream / "results" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows}), "one history, no step twice"
+    # One LR schedule over the chain: after the warmup it only decays, across links too.
+    lrs = [r["lr"] for r in rows]
+    peak = lrs.index(max(lrs))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])), lrs
+
+
+def round_stats(vllm: dict) -> tuple[float, float, int]:
+    """Mean and variance of the tokens accepted per speculation round, and the rounds:
+    ``acceptance_rate_per_position[j]`` is P(at least j+1 accepted)."""
+    tail = vllm["acceptance_rate_per_position"]
+    mean = sum(tail)
+    second = sum((2 * j + 1) * p for j, p in enumerate(tail))
+    return mean, max(0.0, second - mean * mean), int(vllm["num_drafts"])
+
+
+@pytest.mark.slow
+def test_streamed_draft_acceptance_within_noise_of_unbudgeted(streamed):
+    summary = json.loads((streamed["stream"] / "results" / "eval" / "summary.json").read_text())
+    pairs = summary["results"]["eval"]
+    names = list(pairs)
+    assert "unbudgeted" in names and len(names) == 2, names
+    streamed_al = summary["vllm"]["acceptance_length"]
+    unbudgeted_al = pairs["unbudgeted"]["vllm"]["acceptance_length"]
+    assert summary["lossless"]["passed"] is True
+    # Within noise: three standard errors of the difference of the mean accepted per round
+    # (a difference chance alone explains; two would fail identical drafts 1 run in 20).
+    (mean_s, var_s, n_s), (mean_u, var_u, n_u) = (round_stats(summary["vllm"]),
+                                                  round_stats(pairs["unbudgeted"]["vllm"]))
+    assert mean_s == pytest.approx(streamed_al - 1) and mean_u == pytest.approx(unbudgeted_al - 1)
+    noise = 3 * math.sqrt(var_s / n_s + var_u / n_u)
+    print(f"vLLM acceptance length: streamed {streamed_al:.3f} ({n_s} rounds), unbudgeted "
+          f"{unbudgeted_al:.3f} ({n_u} rounds), noise (3 SE) {noise:.3f}")
+    assert streamed_al > 1.1 and unbudgeted_al > 1.1, "both drafts speculate"
+    assert abs(streamed_al - unbudgeted_al) <= noise, (streamed_al, unbudgeted_al, noise)
+    # The same on the whole eval split, replayed without vLLM's sampling of prompts: the
+    # simulated acceptance (K = ttt_steps) of both trainings agrees to a fraction of the gain.
+    k = str(SIZES_TTT_STEPS)
+    sim = [json.loads((streamed[w] / "results" / "train" / "eval.json").read_text())
+           ["simulated_acceptance_length"][k] for w in ("stream", "full")]
+    print(f"simulated acceptance length (eval split, K={k}): streamed {sim[0]:.3f}, unbudgeted {sim[1]:.3f}")
+    assert abs(sim[0] - sim[1]) <= 0.25 * (sim[1] - 1), sim
+
+
+def test_drain_stays_down_until_the_last_job_of_alternating_stages(tmp_path):
+    """On one box the chain alternates extraction and training jobs: the unit comes back
+    after the last job of the run, not after each stage's first."""
+    from test_drain import FakeBox
+
+    from eagle3flow.service import write_plan
+
+    box = FakeBox(tmp_path / "box")
+    try:
+        box.start_unit()
+        run = subprocess.Popen(["sleep", "300"])  # stands for the live Snakemake main process
+        box.others.append(run)
+        jobs = ["extract_partition", "train_partition", "extract_partition", "train_partition_last"]
+        write_plan(str(box.state_dir), jobs, run.pid)
+        for stage in sorted(set(jobs)):
+            assert box.service("drain", "--stage", stage, "--gpus", "8").returncode == 0
+        for stage in jobs:
+            ended = subprocess.run(
+                [sys.executable, "-m", "eagle3flow.service", "stage-ended", "--state-dir", str(box.state_dir),
+                 "--stage", stage, "--exit-code", "0"], env=box.env, capture_output=True, text=True, timeout=60)
+            assert ended.returncode == 0, ended.stderr
+            if stage != jobs[-1]:
+                assert "stays down" in ended.stderr and not box.healthy(), (stage, ended.stderr)
+        assert box.healthy()
+        assert box.downtime()[-1]["reason"] == "train_partition_last was the last GPU stage of the run"
+    finally:
+        box.close()
