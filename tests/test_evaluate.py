@@ -382,6 +382,8 @@ def test_mt_bench_and_two_drafts_side_by_side(tmp_path):
     from eagle3flow.report import evaluation_html
 
     questions = SHARED / "data" / "mt_bench" / "question.jsonl"
+    if not questions.exists():
+        pytest.skip(f"{questions} not present (the repo's sibling shared/ data)")
     rows = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
     categories = {r["category"] for r in rows}
     target = mt_bench_chat_target(tmp_path / "target", questions)
