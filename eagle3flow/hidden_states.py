@@ -456,6 +456,13 @@ class Extraction:
             "partition": {"index": self.partition[0], "count": self.partition[1]},
         }
 
+    def write_manifest(self) -> dict:
+        """Write the manifest (last: it is the rule's declared output) and return it."""
+        manifest = self.manifest()
+        shards.atomic_write_json(self.manifest_out, manifest)
+        log(f"{self.tag}: wrote {self.manifest_out}")
+        return manifest
+
 
 def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids=None,
             dtype: str = "auto", device: str = "auto", batch_tokens: int = 8192,
@@ -803,6 +810,24 @@ def _iter_shard_rows(x: Extraction):
                 current = next(plans, None)
 
 
+def shards_to_compute(x: Extraction, progress: Progress):
+    """``(plan, rows, path)`` of every planned shard of ``x`` that is not cached, in order.
+
+    The rows of a cached shard are still read (sequentially) to check its sample ids: a
+    cached shard holding other samples than planned is dropped from ``x.entries`` (and
+    from ``progress``) and yielded to be recomputed.
+    """
+    for plan, rows in _iter_shard_rows(x):
+        path = x.shard_dir / shards.shard_name(plan.index)
+        if plan.index in x.entries and _shard_sample_ids(path) != [r["id"] for r in rows]:
+            log(f"{x.tag}: {path.name} holds other samples than planned; recomputing")
+            progress.done -= x.entries.pop(plan.index)["num_tokens"]
+        if plan.index in x.entries:
+            continue
+        progress.extra = f"shard {plan.index + 1 - x.plan[0].index}/{len(x.plan)}"
+        yield plan, rows, path
+
+
 def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None = None) -> dict:
     """Compute the extraction's missing shards with the HF backend; write its manifest."""
     models = {} if loaded_models is None else loaded_models
@@ -823,19 +848,11 @@ def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None 
     throughput_log = throughput_path(x.manifest_out)
     pipeline = None
     try:
-        # Rows of a cached shard are still read (sequentially) to check its sample ids.
-        for plan, rows in _iter_shard_rows(x):
-            path = x.shard_dir / shards.shard_name(plan.index)
-            if plan.index in x.entries and _shard_sample_ids(path) != [r["id"] for r in rows]:
-                log(f"{x.tag}: {path.name} holds other samples than planned; recomputing")
-                progress.done -= x.entries.pop(plan.index)["num_tokens"]
-            if plan.index in x.entries:
-                continue
+        for plan, rows, path in shards_to_compute(x, progress):
             if pipeline is None:
                 pipeline = HFPipeline(loaded_model(), x, progress)
                 if timeline is not None:
                     pipeline.timeline = timeline
-            progress.extra = f"shard {plan.index + 1 - x.plan[0].index}/{len(x.plan)}"
             t0 = time.monotonic()
             pipeline.compute(plan, rows, path)
             _record_throughput(throughput_log, x, plan, time.monotonic() - t0)
@@ -843,10 +860,7 @@ def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None 
         if pipeline is not None:
             pipeline.close()
     progress.close()
-    manifest = x.manifest()
-    shards.atomic_write_json(x.manifest_out, manifest)
-    log(f"{x.tag}: wrote {x.manifest_out}")
-    return manifest
+    return x.write_manifest()
 
 
 def model_cache_key(target_path, dtype: torch.dtype, device: torch.device) -> tuple:

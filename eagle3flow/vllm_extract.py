@@ -283,9 +283,7 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
     verified by their sample ids, throughput log, manifest), with shard k+1's forward
     passes running while the engine writes shard k.
     """
-    from eagle3flow import shards
-    from eagle3flow.hidden_states import (_iter_shard_rows, _record_throughput,
-                                          _shard_sample_ids, log, throughput_path)
+    from eagle3flow.hidden_states import _record_throughput, shards_to_compute, throughput_path
     from eagle3flow.progress import Progress
 
     engine = load() if x.missing else None   # before the clock starts
@@ -293,15 +291,8 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
                         done=sum(e["num_tokens"] for e in x.entries.values()))
     throughput_log = throughput_path(x.manifest_out)
     pending: tuple[int, ShardWrite] | None = None
-    for plan, rows in _iter_shard_rows(x):
-        path = x.shard_dir / shards.shard_name(plan.index)
-        if plan.index in x.entries and _shard_sample_ids(path) != [r["id"] for r in rows]:
-            log(f"{x.tag}: {path.name} holds other samples than planned; recomputing")
-            progress.done -= x.entries.pop(plan.index)["num_tokens"]
-        if plan.index in x.entries:
-            continue
+    for plan, rows, path in shards_to_compute(x, progress):
         engine = engine or load()
-        progress.extra = f"shard {plan.index + 1 - x.plan[0].index}/{len(x.plan)}"
         t0 = time.monotonic()
         write = submit_shard(engine, path, rows)
         _record_throughput(throughput_log, x, plan, time.monotonic() - t0)
@@ -312,10 +303,7 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
     if pending is not None:
         x.entries[pending[0]] = pending[1].result()
     progress.close()
-    manifest = x.manifest()
-    shards.atomic_write_json(x.manifest_out, manifest)
-    log(f"{x.tag}: wrote {x.manifest_out}")
-    return manifest
+    return x.write_manifest()
 
 
 def run_all(extractions: list, tensor_parallel_size: int | None = None) -> list[dict]:
