@@ -374,19 +374,32 @@ def conversation_from_record(record, fmt: str) -> list[dict]:
     return messages[:last_assistant + 1]
 
 
-def iter_conversations(spec: str, fmt: str = "auto", split: str = "train", seed: int = 0,
-                       max_samples: int | None = None):
-    """``(sample_id, messages | BadRow)`` in prepare_dataset's order (same ids, same order),
-    up to the first ``max_samples`` usable conversations: what regenerate_responses answers."""
-    sources = load_sources(spec, fmt, split)
+def processing_order(sources, seed: int):
+    """Every row's place, its unique id, and the order rows are processed in.
+
+    Returns ``locations`` (``(source index, row index)`` per global row ``g``), ``ids``
+    (unique ids, duplicates renamed), ``renamed`` (what was renamed) and ``order`` (the
+    global rows sorted by the hash of ``(seed, id)``). prepare_dataset and
+    regenerate_responses both go through it, so they agree on ids and order.
+    """
     locations: list[tuple[int, int]] = []
     raw_ids: list[str] = []
     for s, source in enumerate(sources):
         raw_ids += _source_ids(source, len(locations))
         locations += [(s, i) for i in range(len(source.rows))]
-    ids, _ = make_unique(raw_ids)
+    ids, renamed = make_unique(raw_ids)
+    order = sorted(range(len(ids)), key=lambda g: order_key(seed, ids[g]))
+    return locations, ids, renamed, order
+
+
+def iter_conversations(spec: str, fmt: str = "auto", split: str = "train", seed: int = 0,
+                       max_samples: int | None = None):
+    """``(sample_id, messages | BadRow)`` in prepare_dataset's order (same ids, same order),
+    up to the first ``max_samples`` usable conversations: what regenerate_responses answers."""
+    sources = load_sources(spec, fmt, split)
+    locations, ids, _, order = processing_order(sources, seed)
     usable = 0
-    for g in sorted(range(len(ids)), key=lambda g: order_key(seed, ids[g])):
+    for g in order:
         if max_samples is not None and usable >= max_samples:
             return
         s, i = locations[g]
@@ -573,14 +586,7 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     sources = load_sources(input, config.format, config.split)  # before the slow transformers import
     masker = ChatMasker(load_tokenizer(tokenizer_dir), config.chat_template_kwargs)
 
-    # Every row's (unique) id, then the processing order: by hash of (seed, id).
-    locations: list[tuple[int, int]] = []
-    raw_ids: list[str] = []
-    for s, source in enumerate(sources):
-        raw_ids += _source_ids(source, len(locations))
-        locations += [(s, i) for i in range(len(source.rows))]
-    ids, renamed = make_unique(raw_ids)
-    order = sorted(range(len(ids)), key=lambda g: order_key(config.seed, ids[g]))
+    locations, ids, renamed, order = processing_order(sources, config.seed)
     total_rows = len(ids)
 
     out_dir.mkdir(parents=True, exist_ok=True)
