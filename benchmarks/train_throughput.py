@@ -2,8 +2,12 @@
 
 One step = ``eagle3flow.loss.ttt_loss`` (teacher lm_head forward, TTT forward over all
 steps, soft cross-entropy on the scored rows) + backward + grad-norm clipping + fused
-AdamW, exactly what eagle3flow/train.py runs per batch on one GPU. Weights and data
-are random and built on the GPU (nothing is downloaded).
+AdamW, exactly what eagle3flow/train.py runs per batch on one GPU, on a batch laid out as
+its loader hands it over (scored rows from the host). Weights and data are random and built
+on the GPU (nothing is downloaded). Steps run back to back without host syncs, as in
+training: tokens/s = tokens / mean step time; per-step times from CUDA events.
+``--shapes varying`` (default) compiles as a run over batches of varying size does (one
+batch of another row count first); ``fixed`` for the one shape only.
 
 Settings:
 
@@ -49,7 +53,8 @@ import torch
 from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft
 from eagle3flow.flops import mean_causal_context, train_flops_per_token
-from eagle3flow.loss import ttt_loss
+from eagle3flow.loss import scored_rows, ttt_loss
+from eagle3flow.train_data import to_device
 
 LLAMA_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -106,21 +111,27 @@ def build(setting: str, draft_vocab: int, device: torch.device, quick: bool):
     return model.train(), teacher_head
 
 
-def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, device: torch.device) -> dict:
+def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, device: torch.device,
+               num_steps: int, trim: int = 0) -> dict:
+    """A packed batch as the training loader hands it over (eagle3flow/train_data.py): the
+    scored rows computed on the host, ``cu_seqlens`` / ``step_rows`` kept there. ``trim``
+    shortens the last sample (a batch of another row count)."""
     g = torch.Generator().manual_seed(1)
-    n = samples * sample_tokens
+    lengths = [sample_tokens] * samples
+    lengths[-1] -= trim
+    n = sum(lengths)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if mask == "ones":
         loss_mask = torch.ones(n, dtype=torch.bool)
     else:
-        loss_mask = torch.cat([chat_mask(sample_tokens, g) for _ in range(samples)])
-    return {
-        "aux": torch.randn(n, cfg.num_aux * cfg.target_hidden_size, device=device).to(dtype),
-        "last": torch.randn(n, cfg.hidden_size, device=device).to(dtype),
-        "input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device),
-        "loss_mask": loss_mask.to(device),
-        "cu_seqlens": torch.arange(0, n + 1, sample_tokens, dtype=torch.int64).to(device),
-    }
+        loss_mask = torch.cat([chat_mask(length, g) for length in lengths])
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    rows, counts = scored_rows(cu, loss_mask, num_steps)
+    host = {"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": loss_mask,
+            "cu_seqlens": cu, "scored_rows": rows, "step_rows": torch.tensor(counts)}
+    return {**to_device(host, device),
+            "aux": torch.randn(n, cfg.num_aux * cfg.target_hidden_size, device=device).to(dtype),
+            "last": torch.randn(n, cfg.hidden_size, device=device).to(dtype)}
 
 
 def measure_matmul(device: torch.device, size: int, repeats: int = 10) -> float:
@@ -143,15 +154,20 @@ def measure_matmul(device: torch.device, size: int, repeats: int = 10) -> float:
 
 
 def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int, device,
-             profile: bool = False, ctx: DistContext | None = None) -> dict:
+             profile: bool = False, ctx: DistContext | None = None, warm_batch: dict | None = None) -> dict:
+    """Time ``iters`` steps run back to back as the trainer runs them (no host sync between
+    steps); per-step times from CUDA events on the GPU's timeline. ``warm_batch`` (another
+    row count) runs first, so torch.compile's graphs are the dynamic-shape ones a run over
+    batches of varying size settles on."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     autocast = device.type == "cuda"
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step():
+    def step(b=batch):
         optimizer.zero_grad(set_to_none=True)
-        loss, stats = ttt_loss(model, batch, teacher_head, num_steps, 0.8, autocast)
+        loss, stats = ttt_loss(model, b, teacher_head, num_steps, 0.8, autocast)
         loss.backward()
         if ctx is not None and ctx.enabled:
             sum_gradients(params, ctx)
@@ -160,24 +176,35 @@ def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int
         return loss, stats
 
     t0 = time.perf_counter()
+    if warm_batch is not None:
+        step(warm_batch)
     for _ in range(warmup):
         loss, stats = step()
     sync()
     warmup_s = time.perf_counter() - t0
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    stamps = []
+    t0 = time.perf_counter()
+    for i in range(iters):
+        if cuda:
+            marks[i].record()
+        stamps.append(time.perf_counter())
         loss, stats = step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    result = {"step_s_median": statistics.median(times), "step_s_min": min(times),
-              "step_s_max": max(times), "warmup_s": warmup_s, "loss": float(loss),
-              "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]}
-    if device.type == "cuda":
+    if cuda:
+        marks[iters].record()
+    sync()
+    total = time.perf_counter() - t0
+    stamps.append(time.perf_counter())
+    times = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(iters)] if cuda else \
+        [b - a for a, b in zip(stamps, stamps[1:])]
+    result = {"step_s_mean": total / iters, "step_s_median": statistics.median(times),
+              "step_s_min": min(times), "step_s_max": max(times), "warmup_s": warmup_s,
+              "loss": float(loss), "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]}
+    if cuda:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if profile and device.type == "cuda":
+    if profile and cuda:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
@@ -192,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="llama8b", help="comma list of: llama8b, kimi")
     ap.add_argument("--masks", default="ones,chat", help="comma list of: ones, chat")
     ap.add_argument("--compile", default="off", help="comma list of: off, on (torch.compile of the step pieces)")
+    ap.add_argument("--shapes", default="varying",
+                    help="comma list of: varying (compiled for batches of varying row counts, as a "
+                         "training run settles), fixed (compiled for the one batch shape)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--sample-tokens", type=int, default=2048)
     ap.add_argument("--kimi-samples", type=int, default=1, help="samples of --kimi-sample-tokens for kimi")
@@ -229,17 +259,22 @@ def main(argv=None) -> int:
         flops = train_flops_per_token(cfg, args.ttt_steps, mean_causal_context([tokens] * samples))
         for compiled in args.compile.split(","):
             model.compile_steps = compiled == "on"
-            for mask in args.masks.split(","):
-                batch = make_batch(cfg, samples, tokens, mask, device)
+            for mask, shapes in [(m, sh) for sh in args.shapes.split(",") for m in args.masks.split(",")]:
+                if compiled == "on":
+                    torch._dynamo.reset()       # each case compiles as a fresh run would
+                batch = make_batch(cfg, samples, tokens, mask, device, args.ttt_steps)
+                warm = make_batch(cfg, samples, tokens, mask, device, args.ttt_steps, trim=8) \
+                    if shapes == "varying" else None
                 n = batch["input_ids"].numel()
-                case = {"setting": setting, "mask": mask, "compile": compiled, "tokens": n,
+                case = {"setting": setting, "mask": mask, "compile": compiled, "shapes": shapes, "tokens": n,
                         "samples": samples, "sample_tokens": tokens,
                         "scored_fraction": float(batch["loss_mask"].float().mean()),
                         "draft_config": cfg.to_dict(), "flops_per_token": flops}
                 try:
                     case.update(run_case(model, teacher_head, batch, args.ttt_steps, args.warmup,
-                                         args.iters, device, profile=args.profile and first, ctx=ctx))
-                    case["tokens_per_s"] = ctx.world_size * n / case["step_s_median"]
+                                         args.iters, device, profile=args.profile and first, ctx=ctx,
+                                         warm_batch=warm))
+                    case["tokens_per_s"] = ctx.world_size * n / case["step_s_mean"]
                     case["mfu"] = case["tokens_per_s"] * flops["total"] / (peak * ctx.world_size)
                 except Exception as exc:     # keep the other cases' numbers
                     case["error"] = f"{type(exc).__name__}: {exc}"
@@ -265,15 +300,15 @@ def markdown_table(report: dict) -> str:
     lines = [f"{report['device']}, torch {report['torch']}, bf16 {report['matmul_size']}^3 matmul "
              f"{report['matmul_tflops']:.0f} TFLOP/s, {report['ttt_steps']} TTT steps, "
              f"{report.get('world_size', 1)} GPU(s) data parallel (tokens/s is their total)", "",
-             "| setting | loss mask (scored) | compile | tokens/step | GFLOP/token | step (ms) | tokens/s | MFU | peak GPU memory (GiB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| setting | loss mask (scored) | compile | shapes | tokens/step | GFLOP/token | step (ms) | tokens/s | MFU | peak GPU memory (GiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in report["cases"]:
         shape = f"{c['setting']} ({c['samples']} x {c['sample_tokens']})"
         if "error" in c:
-            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c['tokens']} | | | | | {c['error'][:80]} |")
+            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | {c['tokens']} | | | | | {c['error'][:80]} |")
             continue
-        lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c['tokens']} | "
-                     f"{c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_median'] * 1e3:.1f} | "
+        lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c.get('shapes', '')} | "
+                     f"{c['tokens']} | {c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_mean'] * 1e3:.1f} | "
                      f"{c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c.get('peak_memory_gib', float('nan')):.1f} |")
     return "\n".join(lines)
 

@@ -336,6 +336,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def host_to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """A host tensor or list on ``device`` without waiting for the device's queue (pinned,
+    non-blocking: a plain ``.to(cuda)`` synchronises the stream)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PackedLayout:
     """Where packed rows ``[N]`` live in the padded ``[B, Tmax]`` view, and their positions."""
@@ -354,10 +363,11 @@ class PackedLayout:
             raise ValueError(f"cu_seqlens {cu.tolist()} has an empty sample")
         batch_index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         positions = torch.arange(int(cu[-1])) - cu[:-1][batch_index]
-        dev = device or cu_seqlens.device
+        dev = torch.device(device or cu_seqlens.device)
         max_len = int(lengths.max())
-        return cls(cu.to(dev), positions.to(dev), lengths[batch_index].to(dev),
-                   batch_index.to(dev), max_len, bool((lengths == max_len).all()))
+        return cls(host_to_device(cu, dev), host_to_device(positions, dev),
+                   host_to_device(lengths[batch_index], dev), host_to_device(batch_index, dev),
+                   max_len, bool((lengths == max_len).all()))
 
     @property
     def num_samples(self) -> int:

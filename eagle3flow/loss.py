@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3flow.draft_model import Eagle3Draft, PackedLayout
-from eagle3flow.soft_cross_entropy import linear_soft_cross_entropy
+from eagle3flow.draft_model import Eagle3Draft, PackedLayout, host_to_device
+from eagle3flow.soft_cross_entropy import linear_soft_cross_entropy, row_logsumexp_argmax
 
 
 def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 4096):
@@ -35,29 +35,45 @@ def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: i
         for a in range(0, n, chunk_rows):
             chunk = torch.mm(last[a:a + chunk_rows].to(teacher_head.dtype), teacher_head.T,
                              out=logits[a:a + chunk_rows])
-            lse[a:a + chunk_rows] = torch.logsumexp(chunk.float(), dim=-1)
-            argmax[a:a + chunk_rows] = chunk.argmax(-1)
+            row_logsumexp_argmax(chunk, lse[a:a + chunk_rows], argmax[a:a + chunk_rows])
     return logits, lse, argmax
 
 
-def step_rows(layout: PackedLayout, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """Packed row indices that step ``step`` is scored on: index ``t+step+2`` exists and is masked in."""
-    valid = layout.valid(step)
-    n = loss_mask.numel()
-    target = (torch.arange(n, device=loss_mask.device) + step + 2).clamp(max=n - 1)
-    return (valid & loss_mask[target].bool()).nonzero().flatten()
+def scored_rows(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_steps: int):
+    """The packed rows each TTT step is scored on: row ``t`` for step ``j`` where index
+    ``t+j+2`` is inside ``t``'s sample and masked in.
 
-
-def scored_rows(layout: PackedLayout, loss_mask: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
-    """:func:`step_rows` of every step at once: one host sync per batch instead of one a step."""
+    Returns ``(rows, counts)``: ``rows [S]`` int64, step 0's rows then step 1's ..., and
+    ``counts`` (a list of ``num_steps`` ints). Computed where ``loss_mask`` lives: the
+    training loader calls it on the host (eagle3flow/train_data.py), so the step on the
+    GPU never waits for it; on a device it costs one sync.
+    """
     n = loss_mask.numel()
+    layout = PackedLayout.from_cu_seqlens(cu_seqlens, loss_mask.device)
     index = torch.arange(n, device=loss_mask.device)
     mask = loss_mask.bool()
     scored = torch.stack([layout.valid(j) & mask[(index + j + 2).clamp(max=n - 1)]
                           for j in range(num_steps)])                       # [K, N]
     counts = scored.sum(1).tolist()
-    flat = scored.flatten().nonzero().flatten()
-    return [rows - j * n for j, rows in enumerate(flat.split(counts))]
+    return scored.flatten().nonzero().flatten() % max(n, 1), counts
+
+
+class _GatherRows(torch.autograd.Function):
+    """``cat_j xs[j][rows_j]``. A step's rows are distinct, so the backward writes each
+    step's gradient with a plain scatter (``index_copy_``) instead of ``index_select``'s
+    atomic ``index_add_``."""
+
+    @staticmethod
+    def forward(ctx, rows_per_step, *xs):
+        ctx.rows_per_step = rows_per_step
+        ctx.shapes = [x.shape for x in xs]
+        return torch.cat([x.index_select(0, rows) for x, rows in zip(xs, rows_per_step)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = grad.split([rows.numel() for rows in ctx.rows_per_step])
+        return (None, *(grad.new_zeros(shape).index_copy_(0, rows, g)
+                        for shape, rows, g in zip(ctx.shapes, ctx.rows_per_step, grads)))
 
 
 class StepStats:
@@ -98,29 +114,34 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     ``loss_mask [N]``. The draft's logits are computed only on each step's scored rows, all
     steps in one fused lm_head + soft cross-entropy that reads the teacher's rows in place
     (eagle3flow/soft_cross_entropy.py).
-    One host sync (the scored-row counts); the stats stay on the device.
+    ``scored_rows`` / ``step_rows`` (optional, from the training loader): :func:`scored_rows`
+    computed on the host, the rows on the device and the counts on the host; then the step
+    never syncs with the host (otherwise it costs one sync). The stats stay on the device.
     """
-    layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], batch["input_ids"].device)
-    rows_per_step = scored_rows(layout, batch["loss_mask"], num_steps)
-    counts = [rows.numel() for rows in rows_per_step]
+    device = batch["input_ids"].device
+    layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], device)
+    if "scored_rows" in batch:
+        rows, counts = batch["scored_rows"], [int(c) for c in batch["step_rows"]]
+    else:
+        rows, counts = scored_rows(batch["cu_seqlens"], batch["loss_mask"], num_steps)
     t_logits, t_lse, t_argmax = teacher_logits(batch["last"], teacher_head)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
                                       num_steps, layout, compute_logits=False, normed=True)
-    device = normed[0].device
     stats = torch.zeros(num_steps, 3, device=device)
     if sum(counts) == 0:
         return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
     # Every step's scored rows through the lm_head and the loss at once: one GEMM per
     # direction and one lm_head gradient instead of one per step.
-    x = torch.cat([normed[j].index_select(0, rows) for j, rows in enumerate(rows_per_step)])
+    rows_per_step = rows.split(counts)
+    x = _GatherRows.apply(rows_per_step, *normed)
+    count_t = host_to_device(counts, device, torch.float32)
+    step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long(),
+                                      output_size=rows.numel())
     # the teacher for index t+j+2 is last[t+j+1]
-    target = torch.cat([rows + j + 1 for j, rows in enumerate(rows_per_step)])
-    count_t = torch.tensor(counts, device=device, dtype=torch.float32)
-    step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long())
-    denominator = count_t if denominators is None else \
-        torch.tensor(denominators, device=device, dtype=torch.float32)
-    decays = torch.tensor([decay ** j for j in range(num_steps)], device=device, dtype=torch.float32)
+    target = rows + step_id + 1
+    denominator = count_t if denominators is None else host_to_device(denominators, device, torch.float32)
+    decays = host_to_device([decay ** j for j in range(num_steps)], device, torch.float32)
     row_scale = (decays / denominator.clamp(min=1))[step_id]
     total, row_ce, hits = linear_soft_cross_entropy(x, model.lm_head.weight.to(x.dtype), t_logits, t_lse,
                                                     target, t_argmax, row_scale)

@@ -89,6 +89,37 @@ if triton is not None:
             tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _row_lse_argmax_kernel(x_ptr, x_stride, lse_ptr, argmax_ptr, V, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + r * x_stride
+        m = float("-inf")
+        s = 0.0
+        best_idx = 0
+        for off in range(0, V, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            block_max = tl.max(x, axis=0)
+            best_idx = tl.where(block_max > m, off + tl.argmax(x, axis=0), best_idx)
+            m_new = tl.maximum(m, block_max)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new))
+            m = m_new
+        tl.store(lse_ptr + r, m + tl.log(s))
+        tl.store(argmax_ptr + r, best_idx.to(tl.int64))
+
+
+def row_logsumexp_argmax(logits: torch.Tensor, lse: torch.Tensor, argmax: torch.Tensor) -> None:
+    """Per row of ``logits [n, V]``: logsumexp into ``lse [n]`` (float32, computed in float32)
+    and the first index of the maximum into ``argmax [n]`` (int64). On CUDA one pass of
+    one Triton kernel over the half-precision rows, no float32 copy."""
+    if triton is not None and logits.is_cuda and logits.shape[0]:
+        _row_lse_argmax_kernel[(logits.shape[0],)](logits, logits.stride(0), lse, argmax,
+                                                   logits.shape[1], BLOCK=4096, num_warps=8)
+        return
+    lse.copy_(torch.logsumexp(logits.float(), dim=-1))
+    argmax.copy_(logits.argmax(-1))
+
+
 def _launch(logits, grad, teacher_logits, teacher_lse, target, teacher_argmax, row_scale, row_loss, hits):
     """Per-row CE, argmax hits and the scaled gradient (``grad`` may be ``logits`` itself:
     each program reads its row before writing it)."""

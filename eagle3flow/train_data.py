@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3flow import shards
+from eagle3flow.loss import scored_rows
 from eagle3flow.shards import Manifest
 
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
@@ -167,32 +168,37 @@ def collate(data: ShardData, batch: list[tuple[int, int]], device: torch.device 
             num_steps: int = 0) -> dict:
     """Packed batch: ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``aux [N, A*H]``,
     ``last [N, H]`` (as stored: the model and the teacher cast on the device, so
-    bf16 shards cross PCIe at half the bytes), ``cu_seqlens [B+1]`` int64, and ``step_rows [num_steps]``
-    int64: the rows TTT step ``j`` is scored on (index ``t+j+2`` inside the sample and
-    masked in), what the loss divides by. An empty ``batch`` gives ``N = 0``."""
+    bf16 shards cross PCIe at half the bytes), ``cu_seqlens [B+1]`` int64, and the rows TTT step ``j`` is scored on (index
+    ``t+j+2`` inside the sample and masked in; :func:`eagle3flow.loss.scored_rows`):
+    ``scored_rows [S]`` int64 and their counts ``step_rows [num_steps]`` int64, what the
+    loss divides by. An empty ``batch`` gives ``N = 0``. With ``device``, everything but
+    :data:`HOST_KEYS` is moved there."""
     samples = [data.sample(s, i) for s, i in batch]
-    counts = torch.zeros(num_steps, dtype=torch.int64)
-    for x in samples:
-        mask = x["loss_mask"].to(torch.int64)
-        for j in range(min(num_steps, max(0, mask.numel() - 2))):
-            counts[j] += int(mask[j + 2:].sum())
     lengths = torch.tensor([x["input_ids"].numel() for x in samples], dtype=torch.int64)
     cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
     cu[1:] = lengths.cumsum(0)
     if not samples:
-        return {"input_ids": torch.zeros(0, dtype=torch.int64), "cu_seqlens": cu, "step_rows": counts}
+        return {"input_ids": torch.zeros(0, dtype=torch.int64), "cu_seqlens": cu,
+                "step_rows": torch.zeros(num_steps, dtype=torch.int64)}
+    loss_mask = torch.cat([x["loss_mask"] for x in samples]).bool()
+    rows, counts = scored_rows(cu, loss_mask, num_steps) if num_steps else (torch.zeros(0, dtype=torch.int64), [])
     out = {
         "input_ids": torch.cat([x["input_ids"] for x in samples]).long(),
-        "loss_mask": torch.cat([x["loss_mask"] for x in samples]).bool(),
+        "loss_mask": loss_mask,
         "aux": torch.cat([x["aux_hidden_states"] for x in samples]),
         "last": torch.cat([x["last_hidden_state"] for x in samples]),
-        "cu_seqlens": cu, "step_rows": counts,
+        "cu_seqlens": cu, "step_rows": torch.tensor(counts, dtype=torch.int64), "scored_rows": rows,
     }
     return to_device(out, device) if device is not None else out
 
 
+# Read on the host by the step (eagle3flow/loss.py): moving them would make it wait for the device.
+HOST_KEYS = ("cu_seqlens", "step_rows")
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch's tensors on ``device`` (non-blocking), except :data:`HOST_KEYS`."""
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 class _RankBatches(torch.utils.data.Dataset):

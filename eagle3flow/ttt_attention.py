@@ -146,71 +146,89 @@ def tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, scale):
 
 if triton is not None:
     @triton.jit
-    def _tail_fwd_kernel(q_ptr, oc_ptr, lsec_ptr, kt_ptr, vt_ptr, out_ptr, lse_ptr, J, tail_stride,
-                         scale, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)          # one (row, kv head): its G query heads
+    def _tail_tile(row, kv_block, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+        """Offsets and masks of one program's tile: row ``row``, kv heads
+        ``kv_block*BKV ..`` and all ``G`` query heads of each. Returns the query-side
+        ``[BKV, BG, BD]`` offsets/mask, the per-head ``[BKV, BG]`` ones (lse) and the
+        kv-side ``[BKV, BD]`` ones (one tail entry)."""
+        ki = kv_block * BKV + tl.arange(0, BKV)
         gi = tl.arange(0, BG)
         di = tl.arange(0, BD)
-        gm = gi < G
-        dm = di < D
-        m2 = gm[:, None] & dm[None, :]
-        offs = pid * G * D + gi[:, None] * D + di[None, :]
-        q = tl.load(q_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        lc = tl.load(lsec_ptr + pid * G + gi, mask=gm, other=0.0)
-        m = lc
+        km, gm, dm = ki < KVH, gi < G, di < D
+        head = ki[:, None] * G + gi[None, :]                                     # [BKV, BG]
+        head_mask = km[:, None] & gm[None, :]
+        q_offs = row * (KVH * G * D) + head[:, :, None] * D + di[None, None, :]
+        q_mask = head_mask[:, :, None] & dm[None, None, :]
+        kv_offs = row * (KVH * D) + ki[:, None] * D + di[None, :]
+        kv_mask = km[:, None] & dm[None, :]
+        return q_offs, q_mask, row * (KVH * G) + head, head_mask, kv_offs, kv_mask
+
+    @triton.jit
+    def _tail_fwd_kernel(q_ptr, oc_ptr, lsec_ptr, kt_ptr, vt_ptr, out_ptr, lse_ptr, J, tail_stride,
+                         scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+        # one pass of online softmax over the J tail keys, starting from the cache part
+        row = tl.program_id(0).to(tl.int64)
+        q_offs, q_mask, h_offs, h_mask, kv_offs, kv_mask = _tail_tile(
+            row, tl.program_id(1), KVH, G, D, BKV, BG, BD)
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)     # [BKV, BG, BD]
+        m = tl.load(lsec_ptr + h_offs, mask=h_mask, other=0.0)                  # [BKV, BG]
+        total = tl.full(m.shape, 1.0, tl.float32)
+        acc = tl.load(oc_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
         for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            m = tl.maximum(m, tl.sum(q * k[None, :], axis=1) * scale)
-        total = tl.exp(lc - m)
-        for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            total += tl.exp(tl.sum(q * k[None, :], axis=1) * scale - m)
-        lse = m + tl.log(total)
-        acc = tl.load(oc_ptr + offs, mask=m2, other=0.0).to(tl.float32) * tl.exp(lc - lse)[:, None]
-        for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            v = tl.load(vt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            p = tl.exp(tl.sum(q * k[None, :], axis=1) * scale - lse)
-            acc += p[:, None] * v[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m2)
-        tl.store(lse_ptr + pid * G + gi, lse, mask=gm)
+            k = tl.load(kt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(vt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q * k[:, None, :], axis=2) * scale
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            total = total * alpha + p
+            acc = acc * alpha[:, :, None] + p[:, :, None] * v[:, None, :]
+            m = m_new
+        tl.store(out_ptr + q_offs, (acc / total[:, :, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(lse_ptr + h_offs, m + tl.log(total), mask=h_mask)
 
     @triton.jit
     def _tail_bwd_kernel(q_ptr, do_ptr, out_ptr, lse_ptr, kt_ptr, vt_ptr, dq_ptr, dkt_ptr, dvt_ptr,
-                         J, tail_stride, scale, G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr,
-                         BD: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        gi = tl.arange(0, BG)
-        di = tl.arange(0, BD)
-        gm = gi < G
-        dm = di < D
-        m2 = gm[:, None] & dm[None, :]
-        offs = pid * G * D + gi[:, None] * D + di[None, :]
-        q = tl.load(q_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        do = tl.load(do_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        o = tl.load(out_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + pid * G + gi, mask=gm, other=0.0)
-        delta = tl.sum(do * o, axis=1)
-        dq = tl.load(dq_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+                         J, tail_stride, scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        q_offs, q_mask, h_offs, h_mask, kv_offs, kv_mask = _tail_tile(
+            row, tl.program_id(1), KVH, G, D, BKV, BG, BD)
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
+        delta = tl.sum(do * tl.load(out_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32), axis=2)
+        lse = tl.load(lse_ptr + h_offs, mask=h_mask, other=0.0)
+        dq = tl.load(dq_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
         for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            v = tl.load(vt_ptr + jj * tail_stride + pid * D + di, mask=dm, other=0.0).to(tl.float32)
-            p = tl.where(gm, tl.exp(tl.sum(q * k[None, :], axis=1) * scale - lse), 0.0)
-            ds = p * (tl.sum(do * v[None, :], axis=1) - delta) * scale
-            dq += ds[:, None] * k[None, :]
-            tl.store(dkt_ptr + jj * tail_stride + pid * D + di,
-                     tl.sum(ds[:, None] * q, axis=0).to(dkt_ptr.dtype.element_ty), mask=dm)
-            tl.store(dvt_ptr + jj * tail_stride + pid * D + di,
-                     tl.sum(p[:, None] * do, axis=0).to(dvt_ptr.dtype.element_ty), mask=dm)
-        tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=m2)
+            k = tl.load(kt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(vt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            p = tl.where(h_mask, tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse), 0.0)
+            ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta) * scale          # [BKV, BG]
+            dq += ds[:, :, None] * k[:, None, :]
+            tl.store(dkt_ptr + jj * tail_stride + kv_offs,
+                     tl.sum(ds[:, :, None] * q, axis=1).to(dkt_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dvt_ptr + jj * tail_stride + kv_offs,
+                     tl.sum(p[:, :, None] * do, axis=1).to(dvt_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+# Elements of one program's query tile (rows x kv heads x group x head_dim, padded to
+# powers of two) and its warps: measured on an H200 (benchmarks/README.md).
+TAIL_TILE_ELEMENTS = 4096
+TAIL_NUM_WARPS = 4
 
 
 def _kernel_meta(q, k_tail):
+    """Grid ``(rows, kv-head blocks)`` and the constexprs: each program takes one row and
+    as many kv heads (with their query heads) as fit ``TAIL_TILE_ELEMENTS``."""
     b, t, h, d = q.shape
     g = k_tail.shape[3]
-    groups = h // g
-    return (b * t * g,), dict(G=groups, D=d, BG=max(2, triton.next_power_of_2(groups)),
-                              BD=triton.next_power_of_2(d), num_warps=4)
+    bg, bd = triton.next_power_of_2(h // g), triton.next_power_of_2(d)
+    bkv = min(triton.next_power_of_2(g), max(1, TAIL_TILE_ELEMENTS // (bg * bd)))
+    return (b * t, triton.cdiv(g, bkv)), dict(KVH=g, G=h // g, D=d, BKV=bkv, BG=bg, BD=bd,
+                                               num_warps=TAIL_NUM_WARPS)
 
 
 def tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, scale):
@@ -223,7 +241,7 @@ def tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, scale):
 
 
 def tail_backward_triton(q, do, out, lse, k_tail, v_tail, dq, scale):
-    dq = dq.clone()
+    """As :func:`tail_backward_torch`, but ``dq`` (contiguous) is updated in place."""
     dk, dv = torch.empty_like(k_tail), torch.empty_like(v_tail)
     grid, meta = _kernel_meta(q, k_tail)
     _tail_bwd_kernel[grid](q, do, out, lse, k_tail, v_tail, dq, dk, dv, k_tail.shape[0],

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_train import CONFIG, losses, make_hidden_states, make_vocab_map
 
@@ -32,7 +33,8 @@ def inputs(random_llama_target, tmp_path_factory):
 
 def launch(inputs, out, cache, config, env_extra=None, wait=True):
     """The train rule's command line: eagle3flow.launch -> torchrun -> eagle3flow.train."""
-    cmd = [sys.executable, "-m", "eagle3flow.launch", "--nproc", str(config["nproc"]), "--device", "cpu",
+    cmd = [sys.executable, "-m", "eagle3flow.launch", "--nproc", str(config["nproc"] or "auto"),
+           "--device", config.get("device", "cpu"),
            "eagle3flow.train", "--", "--train-manifest", str(inputs["train"]),
            "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
            "--out-dir", str(out), "--cache-root", str(cache), "--config-json", json.dumps(config)]
@@ -46,6 +48,41 @@ def launch(inputs, out, cache, config, env_extra=None, wait=True):
     return proc
 
 
+def kill_after_checkpoint(proc, cache: Path, step: int) -> None:
+    """SIGKILL the launched group (torchrun and its workers) once checkpoint ``step`` exists."""
+    deadline = time.monotonic() + 180
+    try:
+        while not any(int(p.name[5:]) >= step for p in cache.glob("*/step-*")):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.4)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torchrun_on_every_gpu_resumes_within_bf16_noise(inputs, tmp_path):
+    """The train rule's launch with ``nproc: null`` (auto) on a GPU machine: one NCCL process per
+    visible GPU, bf16 autocast; killed after a checkpoint and resumed, the losses match an
+    uninterrupted run within bf16 noise (flash attention's backward sums in any order)."""
+    config = {**DIST_CONFIG, "nproc": None, "device": "cuda"}     # the rule's default: auto
+    gpus = torch.cuda.device_count()
+    output = launch(inputs, tmp_path / "ref_out", tmp_path / "ref_cache", config)
+    assert f"{gpus} process(es) on cuda" in output
+    reference = losses(tmp_path / "ref_out")
+    kill_after_checkpoint(launch(inputs, tmp_path / "out", tmp_path / "cache", config,
+                                 {"EAGLE3FLOW_TEST_STEP_DELAY": "0.5"}, wait=False), tmp_path / "cache", 4)
+    assert 4 <= len(losses(tmp_path / "out")) < len(reference)
+    assert "resuming from" in launch(inputs, tmp_path / "out", tmp_path / "cache", config)
+    resumed = losses(tmp_path / "out")
+    assert [r[0] for r in resumed] == [r[0] for r in reference]
+    for (_, loss1, steps1, _), (_, loss2, steps2, _) in zip(resumed, reference):
+        assert loss1 == pytest.approx(loss2, rel=2e-2)
+        assert steps1 == pytest.approx(steps2, rel=5e-2, abs=1e-3)
+
+
 @pytest.mark.slow   # three torchrun launches of 2 processes: ~35 s on 2 idle cores
 def test_torchrun_two_processes_resume_bitwise_and_match_one_process(inputs, tmp_path):
     output = launch(inputs, tmp_path / "ref_out", tmp_path / "ref_cache", DIST_CONFIG)
@@ -56,18 +93,8 @@ def test_torchrun_two_processes_resume_bitwise_and_match_one_process(inputs, tmp
     assert all(r["world_size"] == 2 and r["mfu"] > 0 and r["data_wait_s"] >= 0 for r in rows)
 
     # Killed (torchrun and both workers) between checkpoints, then resumed: bitwise the same.
-    proc = launch(inputs, tmp_path / "out", tmp_path / "cache", DIST_CONFIG,
-                  {"EAGLE3FLOW_TEST_STEP_DELAY": "0.3"}, wait=False)
-    deadline = time.monotonic() + 180
-    try:
-        while not any(int(p.name[5:]) >= 4 for p in (tmp_path / "cache").glob("*/step-*")):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.4)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after_checkpoint(launch(inputs, tmp_path / "out", tmp_path / "cache", DIST_CONFIG,
+                                 {"EAGLE3FLOW_TEST_STEP_DELAY": "0.3"}, wait=False), tmp_path / "cache", 4)
     partial = losses(tmp_path / "out")
     assert 4 <= len(partial) < len(reference)
     time.sleep(1.0)     # torchrun's workers (own sessions) died with it: nothing more is logged

@@ -34,6 +34,17 @@ for vocab in (1000, 4096, 5000):          # under, at and over one 4096-column b
     assert abs(float(loss) - float(ref_loss)) < 1e-4 * abs(float(ref_loss)), (vocab, float(loss), float(ref_loss))
     assert err < 1e-2, (vocab, err)
 
+# the teacher's per-row logsumexp and argmax (one block, several blocks, a tie)
+from eagle3flow.soft_cross_entropy import row_logsumexp_argmax
+import eagle3flow.soft_cross_entropy as sce
+for vocab in (1000, 9000):
+    x = (torch.randn(5, vocab) * 3).to(torch.bfloat16)
+    x[1, 10] = x[1, 4100 % vocab] = x[1].max() + 1
+    lse, idx = torch.empty(5), torch.empty(5, dtype=torch.int64)
+    sce._row_lse_argmax_kernel[(5,)](x, x.stride(0), lse, idx, vocab, BLOCK=4096)
+    assert torch.allclose(lse, torch.logsumexp(x.float(), -1), atol=1e-4), vocab
+    assert torch.equal(idx, x.float().argmax(-1)) and int(idx[1]) == 10, (vocab, idx.tolist())
+
 # the fused lm_head + soft cross-entropy, in two chunks of rows
 from eagle3flow.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy
 x = torch.randn(9, 16)
@@ -52,19 +63,22 @@ assert torch.allclose(ce, ref_ce, rtol=1e-4, atol=1e-4) and torch.equal(hits, re
 for a, b in ((xf.grad, xr.grad), (wf.grad, wr.grad)):
     assert float((a - b).norm() / b.norm()) < 1e-4
 
-# the TTT tail merge and its backward (GQA groups of 3, head_dim not a power of two)
+# the TTT tail merge and its backward: GQA groups of 3 with head_dim not a power of two,
+# one query head per kv head, and kv heads split over several programs (small tiles)
 from eagle3flow import ttt_attention as ta
-b, t, h, g, d, j = 2, 5, 6, 2, 12, 3
-q, out_c = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
-lse_c = torch.randn(b, t, h)
-k_tail, v_tail = torch.randn(j, b, t, g, d), torch.randn(j, b, t, g, d)
-out, lse = ta.tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, 0.3)
-ref_out, ref_lse = ta.tail_merge_torch(q, out_c, lse_c, k_tail, v_tail, 0.3)
-assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
-do, dq = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
-for got, want in zip(ta.tail_backward_triton(q, do, out, lse, k_tail, v_tail, dq, 0.3),
-                     ta.tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, 0.3)):
-    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+for (b, t, h, g, d, j, tile) in ((2, 5, 6, 2, 12, 3, 4096), (1, 4, 4, 4, 8, 2, 4096),
+                                 (1, 3, 9, 3, 8, 2, 16)):
+    ta.TAIL_TILE_ELEMENTS = tile
+    q, out_c = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
+    lse_c = torch.randn(b, t, h)
+    k_tail, v_tail = torch.randn(j, b, t, g, d), torch.randn(j, b, t, g, d)
+    out, lse = ta.tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, 0.3)
+    ref_out, ref_lse = ta.tail_merge_torch(q, out_c, lse_c, k_tail, v_tail, 0.3)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5), (h, g)
+    do, dq = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
+    want = ta.tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, 0.3)
+    for got, ref in zip(ta.tail_backward_triton(q, do, out, lse, k_tail, v_tail, dq.clone(), 0.3), want):
+        assert torch.allclose(got, ref, atol=1e-5), (h, g, float((got - ref).abs().max()))
 print("ok")
 """
 
