@@ -283,7 +283,8 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
     verified by their sample ids, throughput log, manifest), with shard k+1's forward
     passes running while the engine writes shard k.
     """
-    from eagle3flow.hidden_states import _record_throughput, shards_to_compute, throughput_path
+    from eagle3flow.hidden_states import (SHARD_DELAY_ENV, _record_throughput, shards_to_compute,
+                                          throughput_path)
     from eagle3flow.progress import Progress
 
     engine = load() if x.missing else None   # before the clock starts
@@ -291,7 +292,13 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
                         done=sum(e["num_tokens"] for e in x.entries.values()))
     throughput_log = throughput_path(x.manifest_out)
     pending: tuple[int, ShardWrite] | None = None
+    delay = float(os.environ.get(SHARD_DELAY_ENV, "0") or 0)
     for plan, rows, path in shards_to_compute(x, progress):
+        if pending is not None and delay:
+            # tests: the previous shard written, wait before beginning this one
+            x.entries[pending[0]] = pending[1].result()
+            pending = None
+            time.sleep(delay)
         engine = engine or load()
         t0 = time.monotonic()
         write = submit_shard(engine, path, rows)

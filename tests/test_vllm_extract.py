@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from eagle3flow import hidden_states, shards
-from eagle3flow.hidden_states import LOADING_LINE, extract
+from eagle3flow.hidden_states import LOADING_LINE, SHARD_DELAY_ENV, extract
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
 from eagle3flow.vllm_extract import (capture_layer_ids, check_layer_ids, find_cache_group,
                                      gather_sample, restore_order)
@@ -130,15 +131,53 @@ def _cli(target: Path, work: Path, aux: list[int], backend: str) -> list[str]:
             "--manifest", str(work / backend / "eval" / "manifest.json")]
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the process group that are still running (zombies excluded)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_after_first_shard(proc: subprocess.Popen, cache: Path, log: Path) -> None:
+    """SIGKILL the run's whole process group (the CLI and vLLM's engine process) once its
+    first shard is on disk; nothing of it may live on."""
+    deadline = time.monotonic() + 300
+    try:
+        while not list(cache.glob("*/shard-*.safetensors")):
+            assert proc.poll() is None, f"finished before the kill:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no shard after 300 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while live_group_members(proc.pid):
+        assert time.monotonic() < deadline, f"still running after SIGKILL: {live_group_members(proc.pid)}"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """Both targets extracted by the vLLM CLI, in parallel (each engine start is ~30 s)."""
+    """Both targets extracted by the vLLM CLI, in parallel (each engine start is ~30 s).
+    The llama run is first killed (SIGKILL) after its first shard, then resumed."""
     root = tmp_path_factory.mktemp("vllm_extract")
     runs = {"llama": SimpleNamespace(target=make_tiny_llama(root / "llama" / "target"), aux=LLAMA_AUX),
             "deepseek": SimpleNamespace(target=make_tiny_deepseek_v3(root / "deepseek" / "target"),
                                         aux=DEEPSEEK_AUX)}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+
+    def start(run, log: Path, extra_env=None):
+        return subprocess.Popen(_cli(run.target, run.work, run.aux, "vllm"), cwd=REPO,
+                                env={**env, **(extra_env or {})}, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
     procs = {}
     for name, run in runs.items():
         run.work = root / name
@@ -146,9 +185,18 @@ def vllm_runs(tmp_path_factory):
         write_dataset(run.work / "eval.parquet", 3, seed=2)
         run.log = run.work / "vllm.log"
         run.hf_models = {}  # the HF target, loaded once for both splits
-        t0 = time.monotonic()
-        procs[name] = (subprocess.Popen(_cli(run.target, run.work, run.aux, "vllm"), cwd=REPO, env=env,
-                                        stdout=open(run.log, "w"), stderr=subprocess.STDOUT), t0)
+    llama = runs["llama"]
+    llama.killed_log = llama.work / "vllm_killed.log"
+    killed = start(llama, llama.killed_log, {SHARD_DELAY_ENV: "600"})
+    procs["deepseek"] = (start(runs["deepseek"], runs["deepseek"].log), time.monotonic())
+    try:
+        kill_after_first_shard(killed, llama.work / "cache", llama.killed_log)
+    except BaseException:
+        procs["deepseek"][0].kill()
+        raise
+    llama.shards_after_kill = sorted(p.name for p in (llama.work / "cache").glob("*/shard-*.safetensors"))
+    llama.manifest_after_kill = (llama.work / "vllm" / "train" / "manifest.json").exists()
+    procs["llama"] = (start(llama, llama.log), time.monotonic())
     for name, (proc, t0) in procs.items():
         try:
             rc = proc.wait(timeout=600)
@@ -198,6 +246,17 @@ def test_vllm_backend_equals_hf_on_embedded_llama(vllm_runs):
     log = run.log.read_text()
     assert log.count(LOADING_LINE) == 1  # one engine for both splits
     assert train.data["storage_dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_vllm_run_killed_after_a_shard_resumes_from_it(vllm_runs):
+    """The SIGKILLed run left its first shard and no manifest; the rerun kept that shard
+    and computed the rest (the shards equal HF's: the test above)."""
+    run = vllm_runs["llama"]
+    assert len(run.shards_after_kill) == 1, run.shards_after_kill
+    assert not run.manifest_after_kill
+    assert "(1 cached)" in run.log.read_text()
+    assert run.killed_log.read_text().count(LOADING_LINE) == 1
 
 
 @pytest.mark.slow
