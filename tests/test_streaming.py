@@ -28,7 +28,7 @@ import yaml
 
 from eagle3flow import plan as plan_lib
 from eagle3flow import streaming
-from test_workflow import kill_when, snakemake, start_snakemake, workflow_copy
+from test_workflow import kill_when, place_embedded, snakemake, start_snakemake, workflow_copy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,15 +130,6 @@ SIZES = {
 }
 PARTITIONS = 3
 SIZES_TTT_STEPS = 7   # train.ttt_steps, the default
-
-
-def place_embedded(build: Path, workdir: Path) -> None:
-    """The session's embedded build as this workflow's (Snakemake then does not rebuild it)."""
-    dest = workdir / "results" / "embedded"
-    dest.mkdir(parents=True)
-    shutil.copytree(build / "target", dest / "target")
-    for name in ("conversations.jsonl", "build_stats.json"):
-        shutil.copy2(build / name, dest / name)
 
 
 def run_args(config: Path) -> list[str]:

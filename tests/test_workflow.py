@@ -95,9 +95,21 @@ def test_lint_is_clean():
     assert "Congratulations" in result.stdout + result.stderr
 
 
+def place_embedded(build: Path, workdir: Path) -> None:
+    """The session's embedded build as this workflow's (Snakemake then does not rebuild it)."""
+    dest = workdir / "results" / "embedded"
+    dest.mkdir(parents=True)
+    shutil.copytree(build / "target", dest / "target")
+    for name in ("conversations.jsonl", "build_stats.json"):
+        shutil.copy2(build / name, dest / name)
+
+
 @pytest.mark.slow
-def test_embedded_default_end_to_end_with_kills(tmp_path):
+def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path):
+    """The embedded default from the dataset on (the target build is the session's, made
+    by the same code; the rule itself runs in tests/test_slurm.py), killed twice."""
     workdir = workflow_copy(tmp_path / "wf")
+    place_embedded(embedded_default_build, workdir)
     shard_glob = lambda: sorted((workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))
     checkpoint_glob = lambda: sorted((workdir / "cache" / "train").glob("*/step-*/state.pt"))
 
