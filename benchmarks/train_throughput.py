@@ -170,7 +170,7 @@ def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int
         loss, stats = ttt_loss(model, b, teacher_head, num_steps, 0.8, autocast)
         loss.backward()
         if ctx is not None and ctx.enabled:
-            sum_gradients(params, ctx)
+            sum_gradients(params, ctx, torch.bfloat16 if cuda else None)   # the trainer's default
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         return loss, stats

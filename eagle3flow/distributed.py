@@ -104,10 +104,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def sum_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
+def sum_gradients(params: list[torch.nn.Parameter], ctx: DistContext,
+                  dtype: torch.dtype | None = None) -> None:
     """``p.grad`` <- the sum of ``p.grad`` over ranks (missing grads count as zeros).
 
-    Buckets of ~256 MB, flattened in parameter order, one all-reduce each.
+    Buckets of ~256 MB, flattened in parameter order, one all-reduce each. ``dtype``
+    (e.g. bfloat16) is what the sums travel and add up in, half the bytes of float32 on
+    a link-bound all-reduce; None keeps the gradients' own dtype.
     """
     for p in params:
         if p.grad is None:
@@ -119,14 +122,14 @@ def sum_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
         bucket.append(p.grad)
         size += p.grad.numel() * p.grad.element_size()
         if size >= BUCKET_BYTES:
-            _all_reduce_bucket(bucket)
+            _all_reduce_bucket(bucket, dtype)
             bucket, size = [], 0
     if bucket:
-        _all_reduce_bucket(bucket)
+        _all_reduce_bucket(bucket, dtype)
 
 
-def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _all_reduce_bucket(grads: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+    flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for g in grads:

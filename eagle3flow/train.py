@@ -88,11 +88,12 @@ TRAIN_DEFAULTS = {
     "data_workers": None,      # reader processes per rank (None: 4 on CUDA, 0 on CPU)
     "prefetch_batches": 8,     # batches read ahead per rank
     "peak_flops": None,        # per-device FLOP/s for MFU (None: measured bf16/fp32 matmul)
+    "grad_reduce_dtype": "auto",  # dtype of the gradient all-reduce: auto (bf16 on CUDA) | float32 | bfloat16
 }
 # Keys that change neither the trained weights nor the loss history (the world size
 # changes the float summation order only, so a run may resume under another one).
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
-                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device")
+                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype")
 
 
 def resolve_train_config(config: dict | None) -> dict:
@@ -109,6 +110,9 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: nproc must be >= 1 or null, got {merged['nproc']}")
     if merged["data_workers"] is not None and int(merged["data_workers"]) < 0:
         raise ValueError(f"train config: data_workers must be >= 0 or null, got {merged['data_workers']}")
+    if merged["grad_reduce_dtype"] not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"train config: grad_reduce_dtype must be auto|float32|bfloat16, "
+                         f"got {merged['grad_reduce_dtype']!r}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged
@@ -398,6 +402,9 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     d2t, t2d = load_vocab_map(vocab_map)
     device = ctx.device
     autocast = device.type == "cuda"
+    # The gradients come out of bf16 autocast on CUDA: a bf16 all-reduce halves the bytes.
+    reduce_dtype = {"auto": torch.bfloat16 if autocast else None, "float32": None,
+                    "bfloat16": torch.bfloat16}[cfg["grad_reduce_dtype"]]
     model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"])
     if manifest.hidden_size != model.config.target_hidden_size:
         raise ValueError(f"{manifest.path}: hidden_size {manifest.hidden_size} != target hidden size "
@@ -548,7 +555,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         optimizer.zero_grad(set_to_none=True)
         if loss is not None and loss.requires_grad:
             loss.backward()
-        sum_gradients(params, ctx)
+        sum_gradients(params, ctx, reduce_dtype)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["max_grad_norm"])
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

@@ -115,6 +115,43 @@ def test_torchrun_two_processes_resume_bitwise_and_match_one_process(inputs, tmp
         assert acc1 == pytest.approx(acc2, abs=0.02)
 
 
+SUM_GRADIENTS = r"""
+import sys
+import torch
+from eagle3flow.distributed import init_distributed, sum_gradients
+import eagle3flow.distributed as d
+d.BUCKET_BYTES = 64                        # several buckets
+ctx = init_distributed("cpu")
+params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 40, 7)]
+def grads(rank):                           # the last parameter gets no gradient on any rank
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(p.numel(), generator=g) * 1e3 + 0.123456 for p in params[:2]]
+for p, grad in zip(params, grads(ctx.rank)):
+    p.grad = grad
+want = [a + b for a, b in zip(grads(0), grads(1))]
+sum_gradients(params, ctx, torch.bfloat16 if sys.argv[1] == "bf16" else None)
+for p, w in zip(params[:2], want):
+    assert p.grad.dtype == torch.float32
+    if sys.argv[1] == "bf16":              # summed in bf16: 8 bits of the ~1e3 inputs' mantissa
+        assert torch.allclose(p.grad, w, rtol=0, atol=2 * 2 ** -8 * 4e3), (p.grad, w)
+        assert not torch.equal(p.grad, w)
+    else:
+        assert torch.equal(p.grad, w)
+assert torch.equal(params[2].grad, torch.zeros(7))
+ctx.close()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sum_gradients_over_two_gloo_ranks(dtype, tmp_path):
+    script = tmp_path / "sum.py"
+    script.write_text(SUM_GRADIENTS)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "2", str(script), dtype], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 def test_rank_shares_cover_the_batch_once():
     lengths = [[30, 10, 20], [40, 5]]
     batch = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]
