@@ -39,23 +39,29 @@ def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: i
     return logits, lse, argmax
 
 
+def scored_mask(layout: PackedLayout, loss_mask: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Bool ``[K, N]``: row ``t`` is scored at TTT step ``j`` where index ``t+j+2`` is
+    inside ``t``'s sample and masked in (on ``loss_mask``'s device)."""
+    n = loss_mask.numel()
+    index = torch.arange(n, device=loss_mask.device)
+    mask = loss_mask.bool()
+    return torch.stack([layout.valid(j) & mask[(index + j + 2).clamp(max=n - 1)]
+                        for j in range(num_steps)])
+
+
 def scored_rows(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_steps: int):
-    """The packed rows each TTT step is scored on: row ``t`` for step ``j`` where index
-    ``t+j+2`` is inside ``t``'s sample and masked in.
+    """The packed rows each TTT step is scored on (:func:`scored_mask`).
 
     Returns ``(rows, counts)``: ``rows [S]`` int64, step 0's rows then step 1's ..., and
     ``counts`` (a list of ``num_steps`` ints). Computed where ``loss_mask`` lives: the
     training loader calls it on the host (eagle3flow/train_data.py), so the step on the
     GPU never waits for it; on a device it costs one sync.
     """
-    n = loss_mask.numel()
-    layout = PackedLayout.from_cu_seqlens(cu_seqlens, loss_mask.device)
-    index = torch.arange(n, device=loss_mask.device)
-    mask = loss_mask.bool()
-    scored = torch.stack([layout.valid(j) & mask[(index + j + 2).clamp(max=n - 1)]
-                          for j in range(num_steps)])                       # [K, N]
-    counts = scored.sum(1).tolist()
-    return scored.flatten().nonzero().flatten() % max(n, 1), counts
+    if num_steps == 0:
+        return torch.zeros(0, dtype=torch.int64, device=loss_mask.device), []
+    scored = scored_mask(PackedLayout.from_cu_seqlens(cu_seqlens, loss_mask.device), loss_mask,
+                         num_steps)
+    return scored.flatten().nonzero().flatten() % max(loss_mask.numel(), 1), scored.sum(1).tolist()
 
 
 class _GatherRows(torch.autograd.Function):

@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
 from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
-from eagle3flow.loss import teacher_targets, ttt_loss
+from eagle3flow.loss import scored_mask, teacher_targets, ttt_loss
 from eagle3flow.progress import Progress, format_eta
 from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
@@ -210,10 +210,9 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
         logits, _ = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"], num_steps, layout)
         rows = torch.arange(n, device=device)
         hit = torch.zeros(n, num_steps, dtype=torch.bool, device=device)
-        ok = torch.zeros(n, num_steps, dtype=torch.bool, device=device)
+        ok = scored_mask(layout, batch["loss_mask"], num_steps).T          # [n, K]
         for j in range(num_steps):
             target = (rows + j + 1).clamp(max=n - 1)
-            ok[:, j] = layout.valid(j) & batch["loss_mask"][(rows + j + 2).clamp(max=n - 1)]
             hit[:, j] = logits[j].argmax(-1) == argmax[target]
             correct[j] += float((hit[:, j] & ok[:, j]).sum())
             counted[j] += float(ok[:, j].sum())

@@ -168,10 +168,10 @@ def collate(data: ShardData, batch: list[tuple[int, int]], device: torch.device 
             num_steps: int = 0) -> dict:
     """Packed batch: ``input_ids [N]`` int64, ``loss_mask [N]`` bool, ``aux [N, A*H]``,
     ``last [N, H]`` (as stored: the model and the teacher cast on the device, so
-    bf16 shards cross PCIe at half the bytes), ``cu_seqlens [B+1]`` int64, and the rows TTT step ``j`` is scored on (index
-    ``t+j+2`` inside the sample and masked in; :func:`eagle3flow.loss.scored_rows`):
-    ``scored_rows [S]`` int64 and their counts ``step_rows [num_steps]`` int64, what the
-    loss divides by. An empty ``batch`` gives ``N = 0``. With ``device``, everything but
+    bf16 shards cross PCIe at half the bytes), ``cu_seqlens [B+1]`` int64, and the rows
+    TTT step ``j`` is scored on (index ``t+j+2`` inside the sample and masked in;
+    :func:`eagle3flow.loss.scored_rows`): ``scored_rows [S]`` int64 and their counts
+    ``step_rows [num_steps]`` int64, what the loss divides by. An empty ``batch`` gives ``N = 0``. With ``device``, everything but
     :data:`HOST_KEYS` is moved there."""
     samples = [data.sample(s, i) for s, i in batch]
     lengths = torch.tensor([x["input_ids"].numel() for x in samples], dtype=torch.int64)
@@ -181,7 +181,7 @@ def collate(data: ShardData, batch: list[tuple[int, int]], device: torch.device 
         return {"input_ids": torch.zeros(0, dtype=torch.int64), "cu_seqlens": cu,
                 "step_rows": torch.zeros(num_steps, dtype=torch.int64)}
     loss_mask = torch.cat([x["loss_mask"] for x in samples]).bool()
-    rows, counts = scored_rows(cu, loss_mask, num_steps) if num_steps else (torch.zeros(0, dtype=torch.int64), [])
+    rows, counts = scored_rows(cu, loss_mask, num_steps)
     out = {
         "input_ids": torch.cat([x["input_ids"] for x in samples]).long(),
         "loss_mask": loss_mask,
