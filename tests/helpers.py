@@ -1,7 +1,34 @@
-"""Builders for tests: random targets small enough to run anywhere."""
+"""Builders for tests: random targets small enough to run anywhere; process checks."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return _stat_fields(pid)[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return int(_stat_fields(pid)[3])
+    except OSError:
+        return None
+
+
+def live_session_members(sid: int) -> list[int]:
+    """Pids of session ``sid`` that are still running (zombies excluded): a process
+    started with ``start_new_session`` and everything it started that stayed in it."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and alive(int(p))
+            and session_of(int(p)) == sid]
 
 
 def make_random_llama(out_dir: Path, num_layers: int = 8, hidden_size: int = 64,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import alive, live_session_members
 from test_workflow import BIN, REPO, start_snakemake, workflow_copy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "service"
@@ -33,13 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 class FakeBox:
@@ -86,9 +80,7 @@ class FakeBox:
         pgid_file = self.systemd / "run" / f"{UNIT}.pgid"
         if not pgid_file.exists():
             return []
-        pgid = int(pgid_file.read_text())
-        return [int(p) for p in os.listdir("/proc") if p.isdigit() and alive(int(p))
-                and _pgid(int(p)) == pgid]
+        return live_session_members(int(pgid_file.read_text()))
 
     def healthy(self) -> bool:
         try:
@@ -137,11 +129,6 @@ class FakeBox:
             proc.wait()
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
-    except OSError:
-        return None
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,9 @@ from eagle3flow.hidden_states import LOADING_LINE, SHARD_DELAY_ENV, extract
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
 from eagle3flow.vllm_extract import (capture_layer_ids, check_layer_ids, find_cache_group,
                                      gather_sample, restore_order)
+from helpers import live_session_members
 from test_hidden_states import write_dataset
+from test_workflow import kill_when
 
 REPO = Path(__file__).resolve().parent.parent
 # Unordered on purpose (vLLM hands them back ascending); 0 = the embeddings and N-1 = the
@@ -131,34 +132,13 @@ def _cli(target: Path, work: Path, aux: list[int], backend: str) -> list[str]:
             "--manifest", str(work / backend / "eval" / "manifest.json")]
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the process group that are still running (zombies excluded)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def kill_after_first_shard(proc: subprocess.Popen, cache: Path, log: Path) -> None:
-    """SIGKILL the run's whole process group (the CLI and vLLM's engine process) once its
-    first shard is on disk; nothing of it may live on."""
-    deadline = time.monotonic() + 300
-    try:
-        while not list(cache.glob("*/shard-*.safetensors")):
-            assert proc.poll() is None, f"finished before the kill:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "no shard after 300 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """SIGKILL the run's process group (the CLI and vLLM's engine process) once its first
+    shard is on disk; nothing of its session may live on."""
+    kill_when(proc, lambda: list(cache.glob("*/shard-*.safetensors")), 300, "the first shard", log)
     deadline = time.monotonic() + 30
-    while live_group_members(proc.pid):
-        assert time.monotonic() < deadline, f"still running after SIGKILL: {live_group_members(proc.pid)}"
+    while live_session_members(proc.pid):
+        assert time.monotonic() < deadline, f"still running after SIGKILL: {live_session_members(proc.pid)}"
         time.sleep(0.1)
 
 
