@@ -329,8 +329,13 @@ def _instruction_turns(record: dict) -> list[dict]:
     return turns
 
 
-def conversation_from_record(record, fmt: str) -> list[dict]:
-    """``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or BadRow."""
+def conversation_from_record(record, fmt: str, answer_prompts: bool = False) -> list[dict]:
+    """``[{"role": "system"|"user"|"assistant", "content": str}, ...]`` or BadRow.
+
+    ``answer_prompts`` (the target writes the answers, ``regenerate``): a prompt-only row
+    is usable, its assistant turns with ``content: null`` and a final user turn get an
+    assistant turn with empty content, to be answered.
+    """
     if isinstance(record, _InvalidJsonLine):
         raise BadRow("invalid JSON", f"line {record.line_number}: {record.error}")
     if not isinstance(record, dict):
@@ -353,6 +358,9 @@ def conversation_from_record(record, fmt: str) -> list[dict]:
         if role is None:
             raise BadRow("unknown role", f"turn {k}: {raw_role!r}")
         raw = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if raw is None and role == "assistant" and answer_prompts:
+            messages.append({"role": "assistant", "content": ""})
+            continue
         content = _text(raw, f"turn {k} ({role})")
         # A reasoning model's thinking, in the field its chat template reads (regenerated
         # answers keep it there when the template expects it).
@@ -368,9 +376,11 @@ def conversation_from_record(record, fmt: str) -> list[dict]:
     first = next((m["role"] for m in messages if m["role"] != "system"), None)
     if first == "assistant":
         raise BadRow("assistant turn before any user turn")
+    if answer_prompts and messages and messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": ""})
     last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last_assistant is None:
-        raise BadRow("no assistant turn")
+        raise BadRow("no assistant turn", "a prompt-only row needs regenerate.enabled (the target answers it)")
     return messages[:last_assistant + 1]
 
 
@@ -395,7 +405,8 @@ def processing_order(sources, seed: int):
 def iter_conversations(spec: str, fmt: str = "auto", split: str = "train", seed: int = 0,
                        max_samples: int | None = None):
     """``(sample_id, messages | BadRow)`` in prepare_dataset's order (same ids, same order),
-    up to the first ``max_samples`` usable conversations: what regenerate_responses answers."""
+    up to the first ``max_samples`` usable conversations: what regenerate_responses answers
+    (prompt-only rows included, their turns to answer as empty assistant turns)."""
     sources = load_sources(spec, fmt, split)
     locations, ids, _, order = processing_order(sources, seed)
     usable = 0
@@ -404,7 +415,7 @@ def iter_conversations(spec: str, fmt: str = "auto", split: str = "train", seed:
             return
         s, i = locations[g]
         try:
-            messages = conversation_from_record(sources[s].rows[i], sources[s].format)
+            messages = conversation_from_record(sources[s].rows[i], sources[s].format, answer_prompts=True)
         except BadRow as error:
             yield ids[g], error
             continue
@@ -670,7 +681,8 @@ def _tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker
                   regenerated: dict | None = None):
     """(prompt_json, input_ids, loss_mask) of one row, or the BadRow saying why not."""
     try:
-        messages = conversation_from_record(source.rows[index], source.format)
+        messages = conversation_from_record(source.rows[index], source.format,
+                                            answer_prompts=regenerated is not None)
     except BadRow as error:
         return error
     if regenerated is not None:

@@ -98,7 +98,7 @@ REASONING_FORMS = ("auto", "field", "think_tags", "drop")
 URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 LIST_LIMIT = 1000
-SERVED_NAME = "embedded-target"
+SERVED_NAME = "builtin-target"
 
 
 class RegenerateError(RuntimeError):

@@ -13,17 +13,30 @@ LOGS = config["paths"]["logs"]
 BENCHMARKS = f"{RESULTS}/benchmarks"
 
 EMBEDDED_DIR = f"{RESULTS}/embedded"
-USES_EMBEDDED_TARGET = config["target"]["path"] is None
-TARGET = f"{EMBEDDED_DIR}/target" if USES_EMBEDDED_TARGET else config["target"]["path"]
-DATASET = config["dataset"]["path"] or f"{EMBEDDED_DIR}/conversations.jsonl"
+PRETRAINED_TARGET = f"{RESULTS}/pretrained/target"
+BUILTIN_PROMPTS = f"{RESULTS}/prompts/builtin_prompts.jsonl"
+# The target this workflow builds itself (target.path null), or None for a served one.
+BUILTIN_TARGET = config["target"]["builtin"] if config["target"]["path"] is None else None
+USES_EMBEDDED_TARGET = BUILTIN_TARGET == "embedded"
+TARGET = {None: config["target"]["path"], "embedded": f"{EMBEDDED_DIR}/target",
+          "smollm2-135m": PRETRAINED_TARGET}[BUILTIN_TARGET]
+# No dataset: the embedded target's own conversations, else prompts the target answers.
+USES_BUILTIN_PROMPTS = config["dataset"]["path"] is None and not USES_EMBEDDED_TARGET
+DATASET = config["dataset"]["path"] or (
+    BUILTIN_PROMPTS if USES_BUILTIN_PROMPTS else f"{EMBEDDED_DIR}/conversations.jsonl"
+)
+if USES_BUILTIN_PROMPTS and not config["regenerate"]["enabled"]:
+    raise ValueError(
+        "dataset.path is null, so the workflow uses its built-in prompts, which have no "
+        "answers: set regenerate.enabled: true (the target answers them) or dataset.path")
 DRAFT_FILES = [f"{RESULTS}/draft/config.json", f"{RESULTS}/draft/model.safetensors"]
 GPUS = config["resources"]["gpus"]
 
 
 def target_input():
-    """The target as an input: the embedded one is built here; a served one is
+    """The target as an input: a built-in one is built here; a served one is
     ancient, since touching the weights' directory must not re-drain production."""
-    return TARGET if USES_EMBEDDED_TARGET else ancient(TARGET)
+    return TARGET if BUILTIN_TARGET else ancient(TARGET)
 
 
 def dataset_input():
@@ -48,6 +61,9 @@ def evaluate_config():
     """The evaluate section with tensor parallelism resolved: all GPUs of the node on
     GPUs, 1 on the CPU build."""
     cfg = dict(config["evaluate"])
+    optional = cfg.pop("optional_prompt_sets")
+    cfg["prompt_sets"] = {**{name: path for name, path in optional.items() if os.path.exists(path)},
+                          **cfg["prompt_sets"]}
     if cfg["tensor_parallel_size"] is None:
         cfg["tensor_parallel_size"] = GPUS if GPUS > 0 and cfg["device"] != "cpu" else 1
     return cfg

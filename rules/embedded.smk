@@ -17,3 +17,31 @@ rule build_embedded_target:
     shell:
         "python -m eagle3flow.embedded --out-dir {params.out_dir} --steps {params.steps}"
         " --max-conversations {params.conversations} --seed {params.seed} 2>&1 | tee {log}"
+
+
+rule build_pretrained_target:
+    output:
+        target=directory(PRETRAINED_TARGET),
+    log:
+        f"{LOGS}/build_pretrained_target.log",
+    benchmark:
+        f"{BENCHMARKS}/build_pretrained_target.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.pretrained_target --out-dir {output.target} 2>&1 | tee {log}"
+
+
+rule write_builtin_prompts:
+    output:
+        prompts=BUILTIN_PROMPTS,
+    params:
+        num_prompts=config["dataset"]["builtin_prompts"],
+    log:
+        f"{LOGS}/write_builtin_prompts.log",
+    benchmark:
+        f"{BENCHMARKS}/write_builtin_prompts.tsv"
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "python -m eagle3flow.builtin_prompts --out {output.prompts} --count {params.num_prompts} 2>&1 | tee {log}"

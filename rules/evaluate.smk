@@ -6,7 +6,7 @@ EVALUATE_INPUTS = dict(
     eval_manifest=f"{RESULTS}/hidden_states/eval/manifest.json",
     target=target_input(),
     # Other prompt sets and drafts to compare: rerun when they change.
-    prompt_sets=list(config["evaluate"]["prompt_sets"].values()),
+    prompt_sets=list(evaluate_config()["prompt_sets"].values()),
     compare_drafts=[
         f"{d}/model.safetensors" for d in config["evaluate"]["compare_drafts"].values()
     ],

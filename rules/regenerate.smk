@@ -4,8 +4,8 @@
 # while the production server is still up. Answers are cached (undeclared, resumable);
 # the declared output is written when every prompt is answered or skipped.
 #
-# Without a URL (config or $EAGLE3FLOW_REGENERATE_URL) on the embedded default, the job
-# serves the embedded target itself with vLLM for its own duration.
+# Without a URL (config or $EAGLE3FLOW_REGENERATE_URL) on a built-in target, the job
+# serves that target itself with vLLM for its own duration.
 #
 # regenerate.compare_original_answers also trains a draft on the dataset's original
 # answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
@@ -19,11 +19,11 @@ REGENERATE_URL = REGENERATE["base_url"] or os.environ.get("EAGLE3FLOW_REGENERATE
 ORIGINAL_ANSWERS_DIR = f"{RESULTS}/original_answers"
 ORIGINAL_ANSWERS_DRAFT = "original answers"
 
-if REGENERATE["enabled"] and not REGENERATE_URL and not USES_EMBEDDED_TARGET:
+if REGENERATE["enabled"] and not REGENERATE_URL and not BUILTIN_TARGET:
     raise ValueError(
         "regenerate.enabled needs the target's server: set regenerate.base_url (or "
         "$EAGLE3FLOW_REGENERATE_URL), and regenerate.model if it serves several models "
-        "(the workflow serves the target itself only for the embedded default)")
+        "(the workflow serves the target itself only for a built-in target)")
 if REGENERATE["compare_original_answers"]:
     if not REGENERATE["enabled"]:
         raise ValueError("regenerate.compare_original_answers needs regenerate.enabled: true")
@@ -49,7 +49,7 @@ rule regenerate_responses:
         dataset=config["dataset"],
         template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
         max_samples=config["dataset"]["max_samples"] or 0,
-        # No URL on the embedded default: serve the target for the job's duration.
+        # No URL on a built-in target: serve the target for the job's duration.
         serve=(
             f"--serve-target {TARGET} --server-log {LOGS}/regenerate_server.log"
             + (f" --vllm-python {config['evaluate']['vllm_python']}" if config["evaluate"]["vllm_python"] else "")
