@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.draft_model import EXPORTED_PARAM_NAMES, DraftConfig
+from eagle3flow.draft_model import DraftConfig, exported_param_names
 from eagle3flow.shards import atomic_write_json
 from eagle3flow.target_weights import target_dtype
 from eagle3flow.train import load_vocab_map
@@ -31,7 +31,8 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
     with open(train_dir / "draft_config.json") as f:
         cfg = DraftConfig.from_dict(json.load(f))
     weights = load_file(str(train_dir / "draft.safetensors"))
-    missing = [n for n in EXPORTED_PARAM_NAMES + ("d2t", "t2d") if n not in weights]
+    names = exported_param_names(cfg)
+    missing = [n for n in names + ("d2t", "t2d") if n not in weights]
     if missing:
         raise ValueError(f"{train_dir}/draft.safetensors: missing tensors {missing}")
     d2t, t2d = load_vocab_map(vocab_map)
@@ -40,7 +41,7 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
     dtype_name = "float32" if target_dtype(target_path) == "float32" else "bfloat16"
     dtype = getattr(torch, dtype_name)
     cfg.torch_dtype = dtype_name
-    tensors = {name: weights[name].to(dtype).contiguous() for name in EXPORTED_PARAM_NAMES}
+    tensors = {name: weights[name].to(dtype).contiguous() for name in names}
     if cfg.draft_vocab_size != cfg.vocab_size:
         tensors["d2t"] = d2t.contiguous()
         tensors["t2d"] = t2d.contiguous()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -59,6 +58,7 @@ from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
 from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
 from eagle3flow.loss import scored_mask, teacher_targets, ttt_loss
+from eagle3flow.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizers, lr_factor
 from eagle3flow.progress import Progress, format_eta
 from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
@@ -69,13 +69,21 @@ TRAIN_DEFAULTS = {
     "ttt_steps": 7,            # chain steps trained (and evaluated)
     "epochs": 1,
     "batch_tokens": 8192,      # packed tokens per optimizer step
-    "lr": 1e-4,
-    "min_lr_ratio": 0.1,       # cosine decays to lr * min_lr_ratio
+    "lr": 3e-3,
+    "optimizer": "muon",       # muon (hidden matrices; AdamW for the rest) | adamw: eagle3flow/optim.py
+    "lr_schedule": "cosine",   # cosine | linear decay after the warmup
+    "min_lr_ratio": 0.1,       # the schedule decays to lr * min_lr_ratio
     "warmup_ratio": 0.03,      # fraction of total steps of linear warmup
     "weight_decay": 0.0,
     "adam_betas": [0.9, 0.95],
-    "max_grad_norm": 0.5,
+    "muon_momentum": 0.95,
+    "muon_weight_decay": 0.1,
+    "max_grad_norm": 1.0,
     "step_loss_decay": 0.8,    # weight of step j is decay**j
+    "freeze_lm_head": False,   # keep the lm_head at the target's rows
+    "teacher_temperature": 1.0,  # < 1 sharpens the teacher towards its argmax (what greedy accepts)
+    "init_midlayer": "random",   # random | target: attention, MLP and norms from the target's last layer
+    "hidden_noise": 0.0,       # std of Gaussian noise on the aux states, relative to their RMS (training only)
     "seed": 0,
     "log_every": 10,           # optimizer steps between metrics lines
     "checkpoint_every": 200,   # optimizer steps between checkpoints (and one at the end)
@@ -113,6 +121,16 @@ def resolve_train_config(config: dict | None) -> dict:
     if merged["grad_reduce_dtype"] not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"train config: grad_reduce_dtype must be auto|float32|bfloat16, "
                          f"got {merged['grad_reduce_dtype']!r}")
+    if merged["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"train config: optimizer must be one of {OPTIMIZERS}, got {merged['optimizer']!r}")
+    if merged["lr_schedule"] not in LR_SCHEDULES:
+        raise ValueError(f"train config: lr_schedule must be one of {LR_SCHEDULES}, got {merged['lr_schedule']!r}")
+    if merged["init_midlayer"] not in ("random", "target"):
+        raise ValueError(f"train config: init_midlayer must be random|target, got {merged['init_midlayer']!r}")
+    if not float(merged["teacher_temperature"]) > 0:
+        raise ValueError(f"train config: teacher_temperature must be > 0, got {merged['teacher_temperature']}")
+    if float(merged["hidden_noise"]) < 0:
+        raise ValueError(f"train config: hidden_noise must be >= 0, got {merged['hidden_noise']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged
@@ -141,11 +159,15 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
-                t2d: torch.Tensor, overrides: dict, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
+                t2d: torch.Tensor, overrides: dict, seed: int,
+                init_midlayer: str = "random") -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft initialised from the target, and the teacher head ``[Vd, H]``.
 
     Embeddings are the target's (frozen), ``norm`` the target's final norm and
-    ``lm_head`` the target lm_head's ``t2d`` rows; the rest is random (seeded).
+    ``lm_head`` the target lm_head's ``t2d`` rows; the rest is random (seeded), or with
+    ``init_midlayer="target"`` the midlayer starts as the target's last decoder layer
+    (its q/k/v read the hidden half of the midlayer's 2H input; the embedding half
+    stays random).
     """
     target_config = load_target_config(target_path)
     cfg = DraftConfig.from_target_config(target_config, aux_layer_ids, d2t.numel(), overrides)
@@ -167,7 +189,34 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model.lm_head.weight.copy_(teacher_head)
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
+        if init_midlayer == "target":
+            copy_target_layer(model, target_path, int(target_config.get("num_hidden_layers")) - 1)
     return model, teacher_head
+
+
+def copy_target_layer(model: Eagle3Draft, target_path: str | Path, layer: int) -> None:
+    """The midlayer's weights from the target's decoder layer ``layer`` (same shapes but the
+    2H-wide q/k/v inputs, whose hidden half gets the target's q/k/v)."""
+    from eagle3flow.target_weights import load_target_layer
+
+    weights = load_target_layer(target_path, layer)
+    mid, hidden = model.midlayer, model.config.hidden_size
+    pairs = {"self_attn.o_proj.weight": mid.self_attn.o_proj.weight,
+             "mlp.gate_proj.weight": mid.mlp.gate_proj.weight, "mlp.up_proj.weight": mid.mlp.up_proj.weight,
+             "mlp.down_proj.weight": mid.mlp.down_proj.weight,
+             "post_attention_layernorm.weight": mid.post_attention_layernorm.weight,
+             "input_layernorm.weight": mid.hidden_norm.weight}
+    for name, param in pairs.items():
+        if name not in weights or weights[name].shape != param.shape:
+            raise ValueError(f"{target_path}: layer {layer} has no {name} of shape {list(param.shape)}; "
+                             f"train.init_midlayer: target needs a Llama-style target of the draft's shape")
+        param.copy_(weights[name])
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        param, source = getattr(mid.self_attn, proj).weight, weights.get(f"self_attn.{proj}.weight")
+        if source is None or source.shape != param[:, hidden:].shape:
+            raise ValueError(f"{target_path}: layer {layer} self_attn.{proj} does not match the draft's")
+        param[:, hidden:].copy_(source)
+    mid.input_layernorm.weight.copy_(weights["input_layernorm.weight"])
 
 
 # ---------------------------------------------------------------------------- loss / metrics
@@ -237,7 +286,7 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
 
 # Bumped whenever the batch plan or the loss changes, so no run resumes from a
 # checkpoint whose data position means something else.
-TRAINER_VERSION = 2
+TRAINER_VERSION = 3
 
 
 def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: str | Path, config: dict,
@@ -342,15 +391,6 @@ def read_metrics(path: Path, up_to_step: int) -> list[str]:
     return lines
 
 
-def lr_lambda(total_steps: float, warmup_steps: int, min_ratio: float):
-    def f(step: float) -> float:
-        if step < warmup_steps:   # (a chained run's steps are fractional: never above 1)
-            return min(1.0, (step + 1) / warmup_steps)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
-
 # ---------------------------------------------------------------------------- training
 
 def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_map: str | Path,
@@ -376,6 +416,15 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
                       Path(out_dir), Path(cache_root), init_from, schedule_tokens, int(data_epoch))
     finally:
         ctx.close()
+
+
+def with_noise(aux: torch.Tensor, relative_std: float, num_aux: int) -> torch.Tensor:
+    """``aux [N, A*H]`` plus Gaussian noise of ``relative_std`` times each aux layer's RMS
+    per token (the draft must not rely on the target's states being exact)."""
+    layers = aux.view(aux.shape[0], num_aux, -1)
+    rms = layers.float().pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(layers.shape, device=aux.device, dtype=torch.float32) * rms * relative_std
+    return (layers.float() + noise).to(aux.dtype).view_as(aux)
 
 
 def _autocast(device: torch.device):
@@ -404,7 +453,10 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     # The gradients come out of bf16 autocast on CUDA: a bf16 all-reduce halves the bytes.
     reduce_dtype = {"auto": torch.bfloat16 if autocast else None, "float32": None,
                     "bfloat16": torch.bfloat16}[cfg["grad_reduce_dtype"]]
-    model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"])
+    model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"],
+                                      cfg["init_midlayer"])
+    if cfg["freeze_lm_head"]:
+        model.lm_head.weight.requires_grad_(False)
     if manifest.hidden_size != model.config.target_hidden_size:
         raise ValueError(f"{manifest.path}: hidden_size {manifest.hidden_size} != target hidden size "
                          f"{model.config.target_hidden_size}")
@@ -412,11 +464,13 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         # Frozen and only looked up: bf16 is what autocast computes with anyway, at half the memory.
         model.embed_tokens.to(torch.bfloat16)
     model.to(device).train()
-    teacher_head = teacher_head.to(device, torch.bfloat16 if autocast else torch.float32)
-    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    # Sharpening the teacher is scaling its logits: fold 1/T into its head once.
+    teacher_head = (teacher_head / float(cfg["teacher_temperature"])).to(
+        device, torch.bfloat16 if autocast else torch.float32)
+    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
     ctx.broadcast_(params)
-    optimizer = torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg["adam_betas"]),
-                                  weight_decay=cfg["weight_decay"], fused=device.type == "cuda")
+    optimizer = build_optimizers(named_params, cfg, device)
 
     data = ShardData(manifest)
     epoch_plans = {}
@@ -435,16 +489,14 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     if schedule_tokens is None:
         schedule_steps = sum(steps_per_epoch)
         warmup = max(1, int(round(cfg["warmup_ratio"] * schedule_steps)))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule_steps, warmup,
-                                                                           cfg["min_lr_ratio"]))
+        scheduler = Schedule(optimizer, lr_factor(cfg["lr_schedule"], schedule_steps, warmup, cfg["min_lr_ratio"]))
     else:
         # The chain's step count is not known before every partition is extracted; its
         # tokens are. The schedule runs on "virtual steps" of batch_tokens tokens each.
         virtual_steps = schedule_tokens / cfg["batch_tokens"]
         warmup = max(1, int(round(cfg["warmup_ratio"] * virtual_steps)))
-        by_tokens = lr_lambda(virtual_steps, warmup, cfg["min_lr_ratio"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda _step: by_tokens(tokens_done[0] / cfg["batch_tokens"]))
+        by_tokens = lr_factor(cfg["lr_schedule"], virtual_steps, warmup, cfg["min_lr_ratio"])
+        scheduler = Schedule(optimizer, lambda _step: by_tokens(tokens_done[0] / cfg["batch_tokens"]))
 
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -549,6 +601,8 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         denominators = [max(1, int(c)) for c in counts]
         loss, stats = None, [(0.0, 0.0, 0)] * num_steps
         if batch["input_ids"].numel():
+            if cfg["hidden_noise"]:
+                batch["aux"] = with_noise(batch["aux"], float(cfg["hidden_noise"]), model.config.num_aux)
             loss, stats = ttt_loss(model, batch, teacher_head, num_steps, decay, autocast,
                                    denominators=denominators)
         optimizer.zero_grad(set_to_none=True)

@@ -56,11 +56,12 @@ class ServingReference:
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def step(self, token: int, hidden: torch.Tensor, pos: int):
+        """One query: logits and the hidden state the next step is fed (vLLM's aux output)."""
         m, c, L = self.m, self.c, self.m.midlayer
         e = m.embed_tokens.weight[token]
-        residual = hidden
-        x = torch.cat([ref_rms(e, L.input_layernorm.weight, c.rms_norm_eps),
-                       ref_rms(hidden, L.hidden_norm.weight, c.rms_norm_eps)])
+        normed_hidden = ref_rms(hidden, L.hidden_norm.weight, c.rms_norm_eps)
+        residual = normed_hidden if c.norm_before_residual else hidden
+        x = torch.cat([ref_rms(e, L.input_layernorm.weight, c.rms_norm_eps), normed_hidden])
         q = (L.self_attn.q_proj.weight @ x).view(c.num_attention_heads, c.head_dim)
         k = (L.self_attn.k_proj.weight @ x).view(c.num_key_value_heads, c.head_dim)
         v = (L.self_attn.v_proj.weight @ x).view(c.num_key_value_heads, c.head_dim)
@@ -77,8 +78,13 @@ class ServingReference:
         n = ref_rms(h1, L.post_attention_layernorm.weight, c.rms_norm_eps)
         mlp = L.mlp.down_proj.weight @ (F.silu(L.mlp.gate_proj.weight @ n) * (L.mlp.up_proj.weight @ n))
         h_out = h1 + mlp
-        logits = m.lm_head.weight @ ref_rms(h_out, m.norm.weight, c.rms_norm_eps)
-        return logits, h_out
+        final = ref_rms(h_out, m.norm.weight, c.rms_norm_eps)
+        return m.lm_head.weight @ final, final if c.norm_output else h_out
+
+    def fc(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.c.norm_before_fc:
+            aux = ref_rms(aux, self.m.input_norm.weight, self.c.rms_norm_eps)
+        return self.m.fc.weight @ aux
 
 
 def serve_chains(model, aux, ids, num_steps, feed_own: bool):
@@ -88,7 +94,7 @@ def serve_chains(model, aux, ids, num_steps, feed_own: bool):
     for t in range(T - 1):
         ref = ServingReference(model)
         for s in range(t + 1):              # verified prefix: target states, token x[s+1]
-            logits, hidden = ref.step(int(ids[s + 1]), model.fc.weight @ aux[s], s)
+            logits, hidden = ref.step(int(ids[s + 1]), ref.fc(aux[s]), s)
         logits_out[t, 0] = logits
         for j in range(1, num_steps):
             if feed_own:
@@ -103,8 +109,17 @@ def serve_chains(model, aux, ids, num_steps, feed_own: bool):
     return logits_out
 
 
-def test_forward_ttt_matches_serving_loop():
-    cfg = tiny_config()
+ARCHITECTURES = [
+    {},
+    {"norm_before_fc": True, "norm_output": True},           # the project's default
+    {"norm_before_residual": True},
+    {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+]
+
+
+@pytest.mark.parametrize("flags", ARCHITECTURES, ids=lambda f: "+".join(f) or "paper")
+def test_forward_ttt_matches_serving_loop(flags):
+    cfg = tiny_config(**flags)
     model = random_draft(cfg)
     torch.manual_seed(1)
     lengths = [9, 5, 12]
@@ -130,8 +145,9 @@ def test_forward_ttt_matches_serving_loop():
     assert checked == sum(max(0, T - j - 2) for T in lengths for j in range(K))
 
 
-def test_predict_chains_matches_greedy_serving():
-    cfg = tiny_config(num_attention_heads=2, num_key_value_heads=2, head_dim=16, rope_theta=500.0)
+@pytest.mark.parametrize("flags", ARCHITECTURES, ids=lambda f: "+".join(f) or "paper")
+def test_predict_chains_matches_greedy_serving(flags):
+    cfg = tiny_config(num_attention_heads=2, num_key_value_heads=2, head_dim=16, rope_theta=500.0, **flags)
     model = random_draft(cfg, seed=3)
     torch.manual_seed(2)
     T, K = 10, 3
@@ -168,7 +184,11 @@ def test_config_from_targets():
              "dtype": "float32"}
     cfg = DraftConfig.from_target_config(llama, [2, 4, 5], 100, {"intermediate_size": 96})
     assert (cfg.head_dim, cfg.rope_theta, cfg.intermediate_size, cfg.torch_dtype) == (16, 5e5, 96, "float32")
+    assert (cfg.norm_before_fc, cfg.norm_output, cfg.norm_before_residual) == (True, True, False)
     hf = cfg.to_hf_config()
+    assert hf["norm_before_fc"] is True and hf["norm_output"] is True and "norm_before_residual" not in hf
+    paper = DraftConfig.from_target_config(llama, [2, 4, 5], 100, {"norm_before_fc": False, "norm_output": False})
+    assert not any(k in paper.to_hf_config() for k in ("norm_before_fc", "norm_output"))
     assert hf["architectures"] == ["LlamaForCausalLMEagle3"] and hf["num_hidden_layers"] == 1
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]

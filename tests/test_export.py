@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.draft_model import EXPORTED_PARAM_NAMES, Eagle3Draft
+from eagle3flow.draft_model import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
 from eagle3flow.export import export_draft
 from eagle3flow.target_weights import load_target_config, load_target_head
 from eagle3flow.train import build_draft, load_vocab_map
@@ -56,7 +56,10 @@ def test_export_roundtrip(random_llama_target, tmp_path):
         names = set(f.keys())
         assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
         assert f.get_tensor("fc.weight").dtype == torch.float32
-    assert names == set(EXPORTED_PARAM_NAMES) | {"d2t", "t2d"}
+    # the default architecture's RMSNorm before fc is exported as vLLM names it
+    assert names == set(exported_param_names(model.config)) | {"d2t", "t2d"}
+    assert names - set(EXPORTED_PARAM_NAMES) == {"input_norm.weight", "d2t", "t2d"}
+    assert config["norm_before_fc"] is True and config["norm_output"] is True
     loaded = Eagle3Draft.from_exported(out, random_llama_target)
     aux, ids, cu = torch.randn(20, 192), torch.randint(0, 512, (20,)), torch.tensor([0, 12, 20])
     with torch.no_grad():

@@ -1,0 +1,120 @@
+"""The draft's optimizer and learning-rate schedule.
+
+``train.optimizer``:
+
+* ``adamw``: AdamW on every trainable tensor.
+* ``muon``: Muon (``torch.optim.Muon``: momentum orthogonalised by Newton-Schulz, its
+  step scaled to AdamW's RMS so the same ``lr`` applies) on the hidden matrices (fc,
+  attention and MLP projections), AdamW on the rest (norms, and the lm_head, an output
+  layer, where Muon's whitening is not what one wants).
+
+``train.lr_schedule``: linear warmup over ``warmup_ratio`` of the steps, then a
+``cosine`` or ``linear`` decay to ``lr * min_lr_ratio``. A chained run (streaming
+partitions) drives the schedule by tokens trained instead of by steps
+(:func:`lr_factor` on fractional "virtual steps").
+
+Both are kept in checkpoints as ``{name: state_dict}`` per optimizer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "linear")
+
+
+def lr_factor(schedule: str, total_steps: float, warmup_steps: int, min_ratio: float):
+    """``f(step)``: the learning rate of ``step`` as a fraction of the peak."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule {schedule!r} is not one of {LR_SCHEDULES}")
+
+    def f(step: float) -> float:
+        if step < warmup_steps:   # (a chained run's steps are fractional: never above 1)
+            return min(1.0, (step + 1) / warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_ratio + (1 - min_ratio) * decay
+    return f
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """The hidden matrices: 2-D, and not the lm_head (the output layer)."""
+    return param.dim() == 2 and not name.startswith("lm_head")
+
+
+class Optimizers:
+    """One or two torch optimizers stepped together, with one state dict."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if sorted(state) != sorted(self.optimizers):
+            raise ValueError(f"checkpoint optimizers {sorted(state)} != this run's {sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+
+def build_optimizers(named_params: list[tuple[str, torch.Tensor]], cfg: dict, device: torch.device) -> Optimizers:
+    """The optimizer(s) ``cfg["optimizer"]`` names over the trainable ``named_params``."""
+    name = cfg["optimizer"]
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} is not one of {OPTIMIZERS}")
+    fused = device.type == "cuda"
+    adamw_kwargs = dict(lr=cfg["lr"], betas=tuple(cfg["adam_betas"]), weight_decay=cfg["weight_decay"],
+                        fused=fused)
+    if name == "adamw":
+        return Optimizers({"adamw": torch.optim.AdamW([p for _, p in named_params], **adamw_kwargs)})
+    matrices = [p for n, p in named_params if uses_muon(n, p)]
+    rest = [p for n, p in named_params if not uses_muon(n, p)]
+    optimizers = {"muon": torch.optim.Muon(matrices, lr=cfg["lr"], weight_decay=cfg["muon_weight_decay"],
+                                           momentum=cfg["muon_momentum"], adjust_lr_fn="match_rms_adamw")}
+    if rest:
+        optimizers["adamw"] = torch.optim.AdamW(rest, **adamw_kwargs)
+    return Optimizers(optimizers)
+
+
+class Schedule:
+    """Sets every param group's lr to its peak times ``factor(n)`` at step ``n``."""
+
+    def __init__(self, optimizers: Optimizers, factor):
+        self.optimizers, self.factor = optimizers, factor
+        self.peaks = [g["lr"] for g in optimizers.param_groups]
+        self.last_step = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        f = self.factor(self.last_step)
+        for group, peak in zip(self.optimizers.param_groups, self.peaks):
+            group["lr"] = peak * f
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizers.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "peaks": list(self.peaks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step, self.peaks = int(state["last_step"]), list(state["peaks"])
+        self._apply()

@@ -1,0 +1,114 @@
+"""The draft's optimizers (Muon on the hidden matrices, AdamW on the rest) and LR schedules,
+and the training options that shape the draft (frozen lm_head, target-layer init, sharper
+teacher, noise), each checked on a real training step."""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from eagle3flow.optim import Optimizers, Schedule, build_optimizers, lr_factor
+from eagle3flow.train import copy_target_layer, resolve_train_config, with_noise
+
+
+def named_draft_params():
+    torch.manual_seed(0)
+    return [("fc.weight", torch.nn.Parameter(torch.randn(8, 24))),
+            ("midlayer.self_attn.q_proj.weight", torch.nn.Parameter(torch.randn(8, 16))),
+            ("midlayer.hidden_norm.weight", torch.nn.Parameter(torch.ones(8))),
+            ("lm_head.weight", torch.nn.Parameter(torch.randn(30, 8)))]
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    named = named_draft_params()
+    cfg = resolve_train_config({"optimizer": "muon"})
+    opts = build_optimizers(named, cfg, torch.device("cpu"))
+    assert sorted(opts.optimizers) == ["adamw", "muon"]
+    by_opt = {name: {id(p) for g in opt.param_groups for p in g["params"]}
+              for name, opt in opts.optimizers.items()}
+    params = dict(named)
+    assert by_opt["muon"] == {id(params["fc.weight"]), id(params["midlayer.self_attn.q_proj.weight"])}
+    assert by_opt["adamw"] == {id(params["midlayer.hidden_norm.weight"]), id(params["lm_head.weight"])}
+    before = {n: p.detach().clone() for n, p in named}
+    for _, p in named:
+        p.grad = torch.randn_like(p)
+    opts.step()
+    assert all(not torch.equal(before[n], p) for n, p in named), "every group moved"
+    # state round trip through a file (as a checkpoint): the reloaded optimizer takes the same next step
+    buffer = io.BytesIO()
+    torch.save(opts.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    twin_named = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in named]
+    twin = build_optimizers(twin_named, cfg, torch.device("cpu"))
+    twin.load_state_dict(state)
+    grads = {n: torch.randn_like(p) for n, p in named}
+    for (n, p), (_, q) in zip(named, twin_named):
+        p.grad, q.grad = grads[n].clone(), grads[n].clone()
+    opts.step()
+    twin.step()
+    for (n, p), (_, q) in zip(named, twin_named):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="checkpoint optimizers"):
+        build_optimizers(named, resolve_train_config({"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_schedule_warms_up_then_decays_to_the_floor(schedule):
+    f = lr_factor(schedule, total_steps=100, warmup_steps=10, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    values = [f(s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:])) and values[-1] == pytest.approx(0.1)
+    middle = f(55)
+    assert middle == pytest.approx(0.1 + 0.9 * (0.5 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi / 2))))
+    opts = Optimizers({"a": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)})
+    sched = Schedule(opts, f)
+    assert sched.get_last_lr() == [pytest.approx(2.0 * f(0))]
+    for _ in range(55):
+        sched.step()
+    assert sched.get_last_lr() == [pytest.approx(2.0 * middle)]
+    again = Schedule(opts, f)
+    again.load_state_dict(sched.state_dict())
+    assert again.get_last_lr() == sched.get_last_lr()
+
+
+def test_unknown_choices_are_refused():
+    for bad in ({"optimizer": "sgd"}, {"lr_schedule": "step"}, {"init_midlayer": "copy"},
+                {"teacher_temperature": 0}, {"hidden_noise": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            resolve_train_config(bad)
+
+
+def test_noise_is_relative_to_each_aux_layers_scale():
+    torch.manual_seed(0)
+    aux = torch.cat([torch.randn(4096, 16), 100 * torch.randn(4096, 16)], dim=1)
+    noisy = with_noise(aux, 0.1, num_aux=2)
+    delta = (noisy - aux).view(4096, 2, 16)
+    ratio = delta.pow(2).mean((0, 2)).sqrt() / aux.view(4096, 2, 16).pow(2).mean((0, 2)).sqrt()
+    torch.testing.assert_close(ratio, torch.tensor([0.1, 0.1]), rtol=0.05, atol=0)
+
+
+def test_midlayer_starts_as_the_targets_last_layer(random_llama_target):
+    from eagle3flow.target_weights import load_target_layer
+    from eagle3flow.train import build_draft
+
+    vocab = 512
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:100] = True
+    d2t = torch.zeros(100, dtype=torch.int64)
+    model, _ = build_draft(random_llama_target, [2, 4, 5], d2t, t2d, {}, seed=0, init_midlayer="target")
+    last = load_target_layer(random_llama_target, 7)
+    mid, hidden = model.midlayer, model.config.hidden_size
+    assert torch.equal(mid.mlp.down_proj.weight, last["mlp.down_proj.weight"])
+    assert torch.equal(mid.self_attn.o_proj.weight, last["self_attn.o_proj.weight"])
+    assert torch.equal(mid.self_attn.q_proj.weight[:, hidden:], last["self_attn.q_proj.weight"])
+    assert not torch.equal(mid.self_attn.q_proj.weight[:, :hidden], torch.zeros_like(last["self_attn.q_proj.weight"]))
+    assert torch.equal(mid.hidden_norm.weight, last["input_layernorm.weight"])
+    random_init, _ = build_draft(random_llama_target, [2, 4, 5], d2t, t2d, {}, seed=0)
+    assert not torch.equal(random_init.midlayer.mlp.down_proj.weight, last["mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="Llama-style target"):
+        with torch.no_grad():
+            copy_target_layer(build_draft(random_llama_target, [2, 4, 5], d2t, t2d,
+                                          {"intermediate_size": 96}, seed=0)[0], random_llama_target, 7)
