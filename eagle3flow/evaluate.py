@@ -536,10 +536,13 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "method": "eagle3", "model": str(Path(path).resolve()),
             "num_speculative_tokens": int(num_tokens)}, draft_stamp=_dir_stamp(path))
 
+    def run_name(name: str, num_tokens: int) -> str:
+        base = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{_safe_name(name)}"
+        return base if num_tokens == k else f"{base}_k{num_tokens}"
+
     runs = [("vllm_baseline", base_request)]
-    runs += [("vllm_eagle3" if name == draft_name else f"vllm_eagle3_{_safe_name(name)}",
-              spec_request(path, k)) for name, path in drafts.items()]
-    runs += [(f"vllm_eagle3_k{x}", spec_request(draft_dir, x)) for x in sweep if x != k]
+    runs += [(run_name(name, x), spec_request(path, x)) for x in [k] + [x for x in sweep if x != k]
+             for name, path in drafts.items()]
     # Engine runs dominate on GPUs and CPUs alike: count them for the ETA.
     progress = Progress("evaluate[vLLM runs]", total=len(runs), unit="runs", interval=0)
     results = {}
@@ -568,21 +571,23 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     for s in sets:
         per_set[s["name"]] = {}
         for name in drafts:
-            run_name = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{_safe_name(name)}"
-            spec_sets = {x["name"]: x for x in results[run_name]["sets"]}
+            spec_sets = {x["name"]: x for x in results[run_name(name, k)]["sets"]}
             per_set[s["name"]][name] = _set_result(s, base_sets[s["name"]],
                                                    spec_sets[s["name"]], by_draft[name], k,
                                                    max_k, agreement_tolerance)
-    k_sweep = {}
+    # vLLM itself at every swept K, for every draft: {set: {draft: {K: acceptance}}}.
+    k_sweep_by_draft = {}
     for s in sets:
-        k_sweep[s["name"]] = {}
-        for x in sweep:
-            run = results["vllm_eagle3" if x == k else f"vllm_eagle3_k{x}"]
-            spec_set = {y["name"]: y for y in run["sets"]}[s["name"]]
-            acc = _vllm_acceptance(spec_set["spec_decode"], base_sets[s["name"]], spec_set)
-            acc["lossless"] = compare_outputs(base_sets[s["name"]]["outputs"],
-                                              spec_set["outputs"])["passed"]
-            k_sweep[s["name"]][str(x)] = acc
+        k_sweep_by_draft[s["name"]] = {}
+        for name in drafts:
+            by_k = k_sweep_by_draft[s["name"]][name] = {}
+            for x in sweep:
+                spec_set = {y["name"]: y for y in results[run_name(name, x)]["sets"]}[s["name"]]
+                acc = _vllm_acceptance(spec_set["spec_decode"], base_sets[s["name"]], spec_set)
+                acc["lossless"] = compare_outputs(base_sets[s["name"]]["outputs"],
+                                                  spec_set["outputs"])["passed"]
+                by_k[str(x)] = acc
+    k_sweep = {set_name: by_name[draft_name] for set_name, by_name in k_sweep_by_draft.items()}
 
     eval_split = None
     if eval_manifest is not None:
@@ -616,6 +621,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "results": {name: {d: {key: v for key, v in r.items() if key != "per_prompt"}
                            for d, r in by_set.items()} for name, by_set in per_set.items()},
         "vllm_k_sweep": k_sweep,
+        "vllm_k_sweep_by_draft": k_sweep_by_draft,
         # The main draft on the held-out prompts, as before sets and drafts existed.
         "vllm": main["vllm"],
         "lossless": main["lossless"],

@@ -96,12 +96,10 @@ def plot_acceptance_vs_k(summary: dict, path) -> Path:
             line, = ax.plot(ks, [curve[str(x)] for x in ks], marker=".",
                             label=f"{set_name} / {draft} (replay)")
             plotted += 1
-            served = {int(x): v["acceptance_length"] for x, v in (sweep.get(set_name) or {}).items()}
-            if draft == main:
-                served.setdefault(summary["settings"]["num_speculative_tokens"],
-                                  r["vllm"]["acceptance_length"])
-            else:
-                served = {summary["settings"]["num_speculative_tokens"]: r["vllm"]["acceptance_length"]}
+            by_draft = (summary.get("vllm_k_sweep_by_draft") or {}).get(set_name) or {}
+            swept = by_draft.get(draft, (sweep.get(set_name) or {}) if draft == main else {})
+            served = {int(x): v["acceptance_length"] for x, v in swept.items()}
+            served.setdefault(summary["settings"]["num_speculative_tokens"], r["vllm"]["acceptance_length"])
             ax.scatter(list(served), list(served.values()), color=line.get_color(), marker="s",
                        zorder=3, label=f"{set_name} / {draft} (vLLM)")
     if not plotted:

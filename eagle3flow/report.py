@@ -198,15 +198,17 @@ def evaluation_html(summary: dict) -> str:
     parts.append("<h3>Acceptance length vs K (exact greedy replay on the baseline's outputs)</h3>")
     parts.append(_table(["prompt set", "draft"] + [f"K={j}" for j in range(1, max_k + 1)], rows,
                         left=2, table_id="acceptance-vs-k"))
-    sweep = summary.get("vllm_k_sweep") or {}
-    if any(sweep.values()):
-        rows = [[_e(s), _num(int(x)), _num(v["acceptance_length"]),
+    sweep = summary.get("vllm_k_sweep_by_draft") or {
+        s: {summary.get("main_draft"): by_k} for s, by_k in (summary.get("vllm_k_sweep") or {}).items()}
+    if any(by_k for by_draft in sweep.values() for by_k in by_draft.values()):
+        rows = [[_e(s), _e(d), _num(int(x)), _num(v["acceptance_length"]),
                  _num(v["eagle3_output_tokens_per_s"], ".1f"), _num(v["speedup"], ".2f") + "x",
                  "identical" if v["lossless"] else '<span class="fail">differ</span>']
-                for s, by_k in sweep.items() for x, v in sorted(by_k.items(), key=lambda i: int(i[0]))]
-        parts.append(f"<h3>vLLM at each K ({_e(summary.get('main_draft'))})</h3>")
-        parts.append(_table(["prompt set", "K", "acceptance length", "tokens/s", "speedup",
-                             "greedy outputs"], rows, table_id="vllm-k-sweep"))
+                for s, by_draft in sweep.items() for d, by_k in by_draft.items()
+                for x, v in sorted(by_k.items(), key=lambda i: int(i[0]))]
+        parts.append("<h3>vLLM at each K</h3>")
+        parts.append(_table(["prompt set", "draft", "K", "acceptance length", "tokens/s", "speedup",
+                             "greedy outputs"], rows, left=2, table_id="vllm-k-sweep"))
     split = summary.get("eval_split")
     if split:
         parts.append("<h3>Eval split, teacher-forced per-step accuracy</h3>")
