@@ -1,0 +1,162 @@
+"""Which training settings make the draft better: a grid of the trainer's knobs on one GPU.
+
+The quality benchmark (run.py) trains on the CPU, an hour per draft; this runs the
+same data (the benchmark's tokenized train/eval split) through the project's own
+extraction and trainer on a GPU, where a draft trains in seconds, to choose the
+defaults the CPU benchmark then confirms. Each variant trains the benchmark's budget
+(epochs, batch tokens, TTT steps, draft vocab) and is scored by the simulated
+acceptance length on the eval split, which on the target's own greedy answers is
+exactly greedy speculative decoding's (eagle3flow/train.py, ``evaluate_split``).
+
+Stage 1 sweeps the learning rate for each optimizer; stage 2 adds each other knob on
+top of the best of stage 1; stage 3 combines the knobs that helped and repeats the
+best and the baseline over seeds::
+
+    python benchmarks/quality/ablate.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --train train.parquet --eval eval.parquet --work /tmp/ablate --out ablate.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3flow.train import train
+
+BUDGET = {"epochs": 3, "batch_tokens": 8192, "ttt_steps": 7}
+DRAFT_VOCAB = 8192
+
+
+def prepare(args) -> tuple[Path, Path, Path, Path]:
+    work = args.work
+    target = work / "target"
+    if not (target / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "eagle3flow.pretrained_target", "--out-dir", target,
+                        "--gguf", args.gguf], check=True)
+    manifests = work / "hs"
+    if not (manifests / "eval.json").is_file():
+        subprocess.run([sys.executable, "-m", "eagle3flow.hidden_states", "--target", target,
+                        "--cache-root", work / "cache", "--device", args.device,
+                        "--dtype", "bfloat16" if args.device == "cuda" else "float32",
+                        "--max-length", "1024",
+                        "--split-name", "train", "--dataset", args.train, "--manifest", manifests / "train.json",
+                        "--split-name", "eval", "--dataset", args.eval, "--manifest", manifests / "eval.json"],
+                       check=True)
+    vocab = work / "vocab_map.safetensors"
+    if not vocab.is_file():
+        subprocess.run([sys.executable, "-m", "eagle3flow.vocab", "--dataset", args.train, "--target", target,
+                        "--draft-vocab-size", str(DRAFT_VOCAB), "--out", vocab, "--stats", work / "vocab.json"],
+                       check=True)
+    return target, manifests / "train.json", manifests / "eval.json", vocab
+
+
+def score(name: str, overrides: dict, paths, work: Path, results: dict) -> dict:
+    if name in results:
+        return results[name]
+    target, train_manifest, eval_manifest, vocab = paths
+    config = {**BUDGET, "checkpoint_every": 10_000, "log_every": 50, **overrides}
+    t0 = time.monotonic()
+    out = train(train_manifest, eval_manifest, vocab, target, work / "out" / name, work / "ckpt", config)
+    al = out["simulated_acceptance_length"]
+    row = {"overrides": overrides, "al3": al["3"], "al7": al["7"], "step_accuracy": out["step_accuracy"],
+           "seconds": round(time.monotonic() - t0, 1)}
+    results[name] = row
+    print(f"ablate: {name:40s} AL@3 {row['al3']:.4f} AL@7 {row['al7']:.4f} ({row['seconds']}s) {overrides}",
+          file=sys.stderr, flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("--train", type=Path, required=True)
+    parser.add_argument("--eval", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stages", default="1,2,3", help="comma-separated; empty: the baseline only")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--grid", type=Path, default=None,
+                        help="JSON {name: train overrides}: score exactly these instead of the stages")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    paths = prepare(args)
+    results: dict = {}
+
+    def save():
+        args.out.write_text(json.dumps({"budget": BUDGET, "draft_vocab_size": DRAFT_VOCAB,
+                                        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                                        "results": results}, indent=1))
+
+    def best_of(names):
+        return max(names, key=lambda n: results[n]["al7"] + results[n]["al3"])
+
+    if args.grid:
+        for name, overrides in json.loads(args.grid.read_text()).items():
+            score(name, overrides, paths, args.work, results)
+            save()
+        return 0
+    stages = {int(s) for s in args.stages.split(",") if s}
+    score("baseline", {}, paths, args.work, results)
+    save()
+    lrs = {"adamw": [3e-4, 1e-3, 3e-3], "muon": [3e-4, 1e-3, 3e-3]}
+    stage1 = ["baseline"]
+    if 1 in stages:
+        for optimizer, values in lrs.items():
+            for lr in values:
+                name = f"{optimizer}-lr{lr:g}"
+                score(name, {"optimizer": optimizer, "lr": lr}, paths, args.work, results)
+                stage1.append(name)
+                save()
+    base_name = best_of(stage1)
+    base = dict(results[base_name]["overrides"])
+    knobs = {
+        "linear": {"lr_schedule": "linear", "min_lr_ratio": 0.0},
+        "decay1": {"step_loss_decay": 1.0},
+        "decay0.9": {"step_loss_decay": 0.9},
+        "freeze_lm_head": {"freeze_lm_head": True},
+        "temp0.5": {"teacher_temperature": 0.5},
+        "temp0.7": {"teacher_temperature": 0.7},
+        "init_target": {"init_midlayer": "target"},
+        "noise0.05": {"hidden_noise": 0.05},
+        "norm_before_residual": {"draft": {"norm_before_residual": True}},
+        "norm_before_fc": {"draft": {"norm_before_fc": True}},
+        "norm_output": {"draft": {"norm_output": True}},
+        "warmup0.01": {"warmup_ratio": 0.01},
+        "wd0.01": {"weight_decay": 0.01},
+    }
+    helped = []
+    if 2 in stages:
+        for knob, extra in knobs.items():
+            merged = {**base, **extra, "draft": {**base.get("draft", {}), **extra.get("draft", {})}}
+            if not merged["draft"]:
+                merged.pop("draft")
+            name = f"{base_name}+{knob}"
+            row = score(name, merged, paths, args.work, results)
+            if row["al7"] + row["al3"] > results[base_name]["al7"] + results[base_name]["al3"]:
+                helped.append(knob)
+            save()
+    if 3 in stages and helped:
+        combined = dict(base)
+        for knob in helped:
+            extra = knobs[knob]
+            combined = {**combined, **extra, "draft": {**combined.get("draft", {}), **extra.get("draft", {})}}
+        if not combined.get("draft"):
+            combined.pop("draft", None)
+        score(f"{base_name}+" + "+".join(helped), combined, paths, args.work, results)
+        save()
+        final = best_of([n for n in results])
+        for seed in (1, 2):
+            score(f"{final}@seed{seed}", {**results[final]["overrides"], "seed": seed}, paths, args.work, results)
+            score(f"baseline@seed{seed}", {"seed": seed}, paths, args.work, results)
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Draft quality on a real target: this project's draft against the established trainer's.
+
+Target: SmolLM2-135M-Instruct (the workflow's built-in real target). Data: the
+built-in prompts, answered greedily by the target through a vLLM server (the
+workflow's regenerate stage). Both trainers then train on exactly the same tokens
+(the workflow's tokenized train split, passed to speculators as pre-tokenized rows),
+with the same aux layer ids, draft vocabulary size, TTT depth, epochs and tokens per
+batch; each uses its own defaults for everything else (optimizer, learning rate,
+schedule, loss weighting, architecture flags). Both drafts are evaluated in the same
+vLLM run (greedy; vLLM's own spec-decode counters; outputs compared with the target
+alone) on the held-out split and on MT-bench first turns, at K=3 and K=7.
+
+The established trainer is speculators 0.9.0 (vLLM's), in its own venv
+(``setup_speculators.sh``), through its own data path: ``prepare-data`` on the
+pre-tokenized rows, ``generate-offline-data`` against a vLLM server running
+``extract_hidden_states`` (with ``cpu_hidden_states_connector.py``, since vLLM's own
+connector needs CUDA), then ``train`` (on the CPU: ``--draft-attn-impl sdpa``,
+``--loss-implementation eager``, float32 like the project's CPU extraction).
+Speculators carves a validation split from its training rows and refuses to train
+without one: it gets the smallest, 1% (``--train-data-ratio 0.99``, 14 of 1410 rows),
+and its last epoch is evaluated, as the project's final weights are.
+
+Steps (each resumes; ``all`` runs them in order)::
+
+    python benchmarks/quality/run.py --work /tmp/quality all
+    python benchmarks/quality/run.py --work /tmp/quality project [--variant NAME --train '{...}']
+    python benchmarks/quality/run.py --work /tmp/quality speculators-data
+    python benchmarks/quality/run.py --work /tmp/quality speculators-train
+    python benchmarks/quality/run.py --work /tmp/quality evaluate [--variants a,b]
+    python benchmarks/quality/run.py --work /tmp/quality summarize
+
+Results: ``<work>/summary.json`` and ``<work>/summary.md``; the committed copies are
+``benchmarks/quality/summary.json`` and the table in ``benchmarks/quality/README.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
+MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+
+# What both trainers share (the comparison's "same data and budget").
+SHARED = {
+    "builtin_prompts": 1500,    # prompts, answered greedily by the target (max 256 tokens)
+    "answer_max_tokens": 256,
+    "eval_fraction": 0.06,
+    "draft_vocab_size": 8192,
+    "ttt_steps": 7,
+    "epochs": 3,
+    "batch_tokens": 2048,      # speculators packs one row per batch; at 8192 its CPU attention takes 98 s a step
+    "max_length": 1024,
+}
+EVAL = {"max_tokens": 128, "ks": [3, 7], "mt_bench_prompts": 80}
+
+
+def log(message: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(command: list, cwd: Path | None = None, env: dict | None = None, log_file: Path | None = None) -> None:
+    log(" ".join(str(c) for c in command))
+    out = open(log_file, "a") if log_file else None
+    try:
+        result = subprocess.run([str(c) for c in command], cwd=cwd, env={**os.environ, **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out:
+            out.close()
+    if result.returncode:
+        raise SystemExit(f"failed ({result.returncode}): {command[0]} ... (log: {log_file})")
+
+
+# ----------------------------------------------------------------------------- the project
+
+def workflow_dir(work: Path) -> Path:
+    """A copy of the workflow with a profile of the benchmark's sizes."""
+    wf = work / "workflow"
+    if not (wf / "Snakefile").is_file():
+        wf.mkdir(parents=True, exist_ok=True)
+        for name in WORKFLOW_FILES:
+            src = REPO / name
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, wf / name)
+    return wf
+
+
+def project(work: Path, variant: str, train_overrides: dict) -> Path:
+    """The workflow run up to the exported draft; variants share the cache (same data)."""
+    wf = workflow_dir(work)
+    results = f"results-{variant}" if variant != "default" else "results"
+    profile = wf / "bench-profile"
+    profile.mkdir(exist_ok=True)
+    overrides = {
+        "paths": {"results": results},
+        "target": {"builtin": "smollm2-135m"},
+        "dataset": {"builtin_prompts": SHARED["builtin_prompts"], "eval_fraction": SHARED["eval_fraction"],
+                    "max_length": SHARED["max_length"]},
+        "regenerate": {"enabled": True, "temperature": 0.0, "max_tokens": SHARED["answer_max_tokens"]},
+        "vocab": {"draft_vocab_size": SHARED["draft_vocab_size"]},
+        "train": {"ttt_steps": SHARED["ttt_steps"], "epochs": SHARED["epochs"],
+                  "batch_tokens": SHARED["batch_tokens"], **train_overrides},
+    }
+    (profile / f"{variant}.yaml").write_text(json.dumps(overrides, indent=1) + "\n")
+    (profile / "config.yaml").write_text(
+        "cores: all\nrerun-incomplete: true\nconfigfile:\n  - profiles/smollm2/workflow.yaml\n"
+        f"  - bench-profile/{variant}.yaml\n")
+    snakemake = Path(sys.executable).parent / "snakemake"
+    run([snakemake, "--profile", "bench-profile", f"{results}/draft/config.json",
+         f"{results}/draft/model.safetensors", f"{results}/hidden_states/eval/manifest.json"],
+        cwd=wf, env={"HF_HUB_OFFLINE": "1"}, log_file=work / f"project-{variant}.log")
+    return wf / results
+
+
+# ----------------------------------------------------------------------------- speculators
+
+def spec_bin(name: str) -> Path:
+    return Path(os.environ.get("SPECULATORS_VENV", REPO / ".venv-speculators")) / "bin" / name
+
+
+def export_rows(train_parquet: Path, out: Path) -> int:
+    """The project's tokenized train split as speculators' pre-tokenized rows."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(train_parquet, columns=["input_ids", "loss_mask"])
+    with open(out, "w") as f:
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    return table.num_rows
+
+
+class ExtractionServer:
+    """vLLM (this project's venv, CPU build) serving ``extract_hidden_states`` for
+    speculators' data generation; the aux ids plus the last layer, as speculators' own
+    launcher asks (the last one becomes its teacher's hidden state)."""
+
+    def __init__(self, target: Path, layer_ids: list[int], staging: Path, log_file: Path, port: int = 8031):
+        self.url = f"http://127.0.0.1:{port}"
+        staging.mkdir(parents=True, exist_ok=True)
+        speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                       "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+        transfer = {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "cpu_hidden_states_connector",
+                    "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(staging)}}
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+                   "--served-model-name", str(target), "--host", "127.0.0.1", "--port", str(port),
+                   "--max-model-len", "2048", "--dtype", "float32", "--enable-scale-out",
+                   "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
+        env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+        log(" ".join(command))
+        self.log = open(log_file, "a")
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def __enter__(self):
+        deadline = time.monotonic() + 1200
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the extraction server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the extraction server did not come up; see {self.log.name}")
+                time.sleep(3)
+
+    def __exit__(self, *exc):
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def aux_layer_ids(target: Path) -> list[int]:
+    """The workflow's default ids (extract.aux_layer_ids null), which both trainers use."""
+    sys.path.insert(0, str(REPO))
+    from eagle3flow.layers import default_aux_layer_ids
+
+    return default_aux_layer_ids(json.loads((target / "config.json").read_text())["num_hidden_layers"])
+
+
+def speculators_data(work: Path, results: Path) -> Path:
+    spec = work / "speculators"
+    data = spec / "prepared"
+    done = spec / "data.done"
+    if done.is_file():
+        return data
+    spec.mkdir(parents=True, exist_ok=True)
+    target = (results / "pretrained" / "target").resolve()
+    rows = spec / "rows.jsonl"
+    log(f"speculators: {export_rows(results / 'dataset' / 'train.parquet', rows)} pre-tokenized rows -> {rows}")
+    num_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    env = {"HF_HUB_OFFLINE": "1"}
+    with ExtractionServer(target, aux_layer_ids(target) + [num_layers], spec / "staging",
+                          spec / "server.log") as server:
+        if not (data / "dataset_info.json").is_file():
+            run([spec_bin("speculators"), "prepare-data", "--model", target, "--data", rows, "--output", data,
+                 "--seq-length", SHARED["max_length"], "--render-endpoint", server.url,
+                 "--num-preprocessing-workers", "1", "--no-skip-token-freq"], env=env, log_file=spec / "prepare.log")
+        run([spec_bin("speculators"), "generate-offline-data", "--endpoint", server.url + "/v1",
+             "--preprocessed-data", data, "--concurrency", "8", "--validate-outputs", "--fail-on-error"],
+            env=env, log_file=spec / "generate.log")
+    done.write_text(json.dumps({"finished_at": time.time()}) + "\n")
+    return data
+
+
+def speculators_train(work: Path, results: Path) -> Path:
+    spec = work / "speculators"
+    ckpt = spec / "ckpt"
+    final = ckpt / f"epoch{SHARED['epochs'] - 1}_end"
+    if (final / "model.safetensors").is_file():
+        return final
+    target = (results / "pretrained" / "target").resolve()
+    run([spec_bin("speculators"), "train", "--verifier-name-or-path", target, "--data-path", spec / "prepared",
+         "--save-path", ckpt, "--draft-vocab-size", SHARED["draft_vocab_size"], "--epochs", SHARED["epochs"],
+         "--ttt-steps", SHARED["ttt_steps"], "--total-seq-len", SHARED["batch_tokens"],
+         "--target-layer-ids", *aux_layer_ids(target), "--train-data-ratio", "0.99",
+         "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise",
+         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"],
+        env={"HF_HUB_OFFLINE": "1"}, log_file=spec / "train.log")
+    if not (final / "model.safetensors").is_file():
+        found = sorted(p.name for p in ckpt.iterdir())
+        raise SystemExit(f"speculators train finished but {final} is missing (found {found})")
+    return final
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--variant", default="default")
+    parser.add_argument("--train", type=json.loads, default={}, help="train overrides of the variant (JSON)")
+    parser.add_argument("step", choices=["project", "speculators-data", "speculators-train", "all"])
+    args = parser.parse_args(argv)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results = workflow_dir(work) / "results"
+    if args.step in ("project", "all"):
+        results = project(work, args.variant, args.train)
+    if args.step in ("speculators-data", "all"):
+        speculators_data(work, workflow_dir(work) / "results")
+    if args.step in ("speculators-train", "all"):
+        speculators_train(work, workflow_dir(work) / "results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
