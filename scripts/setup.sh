@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PYTHON=${PYTHON:-python3}
 REQS=envs/requirements-cpu.txt
-SLURM_REQS=envs/requirements-slurm.txt
+NODEPS_REQS=envs/requirements-nodeps.txt
 STAMP=.venv/.requirements.sha256
-want=$(cat "$REQS" "$SLURM_REQS" pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat "$REQS" "$NODEPS_REQS" pyproject.toml | sha256sum | cut -d' ' -f1)
 
 if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
     echo "setup: building .venv from $REQS (a few minutes)"
@@ -18,7 +18,7 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check -r "$REQS" 2> >(grep -v "is ignored: it is neither" >&2)
     # pip drags in CUDA builds of these next to the CPU torch; they fail to import.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-    .venv/bin/python -m pip install -q --no-deps -r "$SLURM_REQS" 2> >(grep -v "is ignored: it is neither" >&2)
+    .venv/bin/python -m pip install -q --no-deps -r "$NODEPS_REQS" 2> >(grep -v "is ignored: it is neither" >&2)
     .venv/bin/python -m pip install -q --no-deps -e . 2> >(grep -v "is ignored: it is neither" >&2)
     echo "$want" > "$STAMP"
 fi
