@@ -26,9 +26,9 @@ def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int
 
     Loss mask is 0 on the 4-token prompt, 1 on the continuation.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     entries, buf = [], {k: [] for k in ("ids", "input_ids", "loss_mask", "aux", "last")}
