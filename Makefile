@@ -3,12 +3,15 @@ SHELL := /bin/bash
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo demo-regenerate test lint
+.PHONY: setup demo demo-smollm2 demo-regenerate test lint
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	snakemake --profile embedded
+
+demo-smollm2: setup
+	snakemake --profile smollm2
 
 demo-regenerate: setup
 	snakemake --profile embedded-regenerate

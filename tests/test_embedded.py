@@ -66,8 +66,16 @@ def test_corpus_shape(corpus):
     assert sum(len(r) > 3 for r in turns) > len(corpus) // 5, "multi-turn conversations exist"
     assert sum(r[0] == "system" for r in turns) > len(corpus) // 20
     answers = [m["content"] for conv in corpus for m in conv["messages"] if m["role"] == "assistant"]
-    assert all(answer.strip() and len(answer) <= MAX_ANSWER_CHARS + 4 for answer in answers)
+    assert all(answer.strip() for answer in answers)
     assert not any(" at 0x" in answer for answer in answers), "memory addresses are not stable"
+    # Grounded: the first answer restates the documentation the question quotes (capped), so
+    # a model trained for minutes answers held-out questions from what they say.
+    for conv in corpus[::50]:
+        dialogue = [m for m in conv["messages"] if m["role"] != "system"]
+        question, answer = dialogue[0]["content"], dialogue[1]["content"]
+        documentation = question.split(":\n", 1)[1]
+        assert "Documentation of " in question and len(documentation) <= MAX_ANSWER_CHARS + 4
+        assert documentation in answer, (question, answer)
 
 
 def test_max_conversations_is_a_stable_spread_subset():
@@ -261,9 +269,11 @@ def test_vllm_serves_default_target(default_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = default_target / "target"
-    # Phrasings the corpus never uses for these names (held-out style).
-    questions = ["Could you tell me what `math.sqrt` does?",
-                 "In one sentence, what is `os.path.join` used for?"]
+    # Phrasings the corpus never uses, with documentation as its questions quote it.
+    questions = ["Could you tell me what `math.sqrt` does?\n\nDocumentation of `math.sqrt(x, /)`:\n"
+                 "Return the square root of x.",
+                 "In one sentence, what is `os.path.join` used for?\n\nDocumentation of "
+                 "`os.path.join(a, *p)`:\nJoin two or more pathname components, inserting '/' as needed."]
     env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     result = _run(["-c", VLLM_SCRIPT, str(target), json.dumps(questions)], 900, env)
     outputs = json.loads(result.stdout.split("RESULT ", 1)[1].splitlines()[0])
@@ -289,8 +299,8 @@ def test_vllm_serves_default_target(default_target):
         # fp32 on both sides: allow a late divergence on a near-tie, not an early one.
         same = next((i for i, (a, b) in enumerate(zip(hf_ids, vllm_ids)) if a != b), len(vllm_ids))
         assert same >= min(16, len(vllm_ids)), (hf_ids, vllm_ids)
-    # A ~5M model trained for minutes learns the corpus' form, not each fact: the answer
-    # is a docstring-style sentence, and a follow-up gets the signature-turn phrasing.
-    for output in outputs[:2]:
-        assert output["text"][0].isupper() and output["text"].rstrip().endswith("."), output["text"]
+    # A ~5M model trained for minutes learns the corpus' form and to read the question: the
+    # answer names what was asked about, and a follow-up gets the signature-turn phrasing.
+    for output, name in zip(outputs[:2], ("math.sqrt", "os.path.join")):
+        assert f"`{name}`" in output["text"] and output["text"].rstrip().endswith("."), output["text"]
     assert outputs[2]["text"].startswith("Its signature is `"), outputs[2]["text"]
