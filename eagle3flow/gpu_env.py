@@ -45,6 +45,11 @@ MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 
 PROBE_TIMEOUT_S = 300
 
+# The oldest vLLM the stages work with: extraction uses the extract_hidden_states
+# speculative method (0.17 on), evaluation loads the exported drafts, whose default
+# architecture (norm_before_fc, norm_output) vLLM's llama_eagle3 reads from 0.22 on.
+MIN_VLLM = "0.22.0"
+
 
 def _version_tuple(text: str) -> tuple[int, ...]:
     parts = []
@@ -201,6 +206,15 @@ def _outside(path: str | None, prefix: str) -> bool:
     return bool(path) and not os.path.realpath(path).startswith(os.path.realpath(prefix) + os.sep)
 
 
+def _old_vllm(env: dict) -> list[str]:
+    vllm = env.get("vllm")
+    if vllm and _version_tuple(vllm["version"]) < _version_tuple(MIN_VLLM):
+        return [f"{env['python']} has vLLM {vllm['version']}; the stages need >= {MIN_VLLM} "
+                f"(extract_hidden_states, the exported drafts' norm_before_fc/norm_output). This "
+                f"project's vLLM is its own, whatever the production unit runs. Fix: {FIX_CUDA}"]
+    return []
+
+
 def _foreign_imports(env: dict) -> list[str]:
     """torch or vLLM imported from outside the interpreter's own environment: another
     installation on PYTHONPATH (the production unit's vLLM, say) would be the one running."""
@@ -266,7 +280,7 @@ def cuda_problems(env: dict, driver: DriverFacts, gpus: int, context: str = "res
     elif gpus and vllm.get("platform") != "cuda":
         problems.append(f"vLLM {vllm['version']} in {python} found no CUDA platform (platform "
                         f"{vllm.get('platform')}): it cannot see the GPUs (driver, NVML). Fix: check nvidia-smi")
-    return problems + _foreign_imports(env)
+    return problems + _old_vllm(env) + _foreign_imports(env)
 
 
 def cpu_problems(env: dict) -> list[str]:
@@ -287,7 +301,7 @@ def cpu_problems(env: dict) -> list[str]:
     elif vllm.get("platform") != "cpu":
         problems.append(f"vLLM in {python} ({', '.join(vllm['distributions'])} {vllm['version']}) has platform "
                         f"{vllm.get('platform') or vllm.get('error')}, not cpu. {fix}")
-    return problems + _foreign_imports(env)
+    return problems + _old_vllm(env) + _foreign_imports(env)
 
 
 def describe(env: dict, driver: DriverFacts) -> str:

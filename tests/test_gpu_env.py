@@ -110,6 +110,12 @@ def test_vllm_problems():
     assert cuda_problems(env(vllm={"platform": "unspecified"}), DriverFacts(), 0) == []
 
 
+def test_a_vllm_as_old_as_production_is_refused():
+    """The seed's failure: the trainer ran the production unit's vLLM 0.16."""
+    [problem] = cuda_problems(env(vllm={"version": "0.16.0"}), box(), 8)
+    assert problem.startswith(f"{PY} has vLLM 0.16.0; the stages need >= 0.22.0 (extract_hidden_states")
+
+
 def test_torch_or_vllm_from_outside_the_environment_is_refused():
     """The production unit's vLLM on PYTHONPATH would be the one the stages run."""
     foreign = env(vllm={"file": "/opt/prod-vllm/lib/python3.12/site-packages/vllm/platforms/__init__.py"})
