@@ -39,6 +39,7 @@ from eagle3flow.procfs import ancestor_chain
 
 from eagle3flow.gpu_holders import (GpuQueryError, children_of, describe_process,
                                     gpu_memory_used, gpu_processes, process_start_ticks)
+from eagle3flow.gpu_env import drain_refusal
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
 DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
@@ -61,6 +62,7 @@ DEFAULTS = {
     "poll_interval_s": 2.0,
     "kill_foreign_gpu_processes": False,
     "watchdog_poll_s": 5.0,
+    "check_gpu_environment": True,
 }
 
 
@@ -541,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "drain":
             # no GPUs configured: the unit's GPUs are all of the node's
             gpus = list(range(args.gpus)) if args.gpus > 0 else sorted(gpu_memory_used(settings["nvidia_smi"]))
+            # Before anything touches systemctl: stopping production is pointless when the
+            # stages cannot use the GPUs it frees (CPU torch, vLLM's CPU build, too few GPUs).
+            refusal = settings["check_gpu_environment"] and drain_refusal(len(gpus), settings["nvidia_smi"])
+            if refusal:
+                raise ServiceError(refusal)
             drain(settings, state_dir, args.stage, gpus, args.flag)
         elif args.command == "restore":
             record = restore(settings, state_dir, reason="manual (python -m eagle3flow.service restore)")
