@@ -265,16 +265,38 @@ class DraftConfig:
         its layer in ``transformer_layer_config``): speculators' own trainer writes these."""
         if hf.get("speculators_model_type") != "eagle3":
             raise ValueError(f"speculators_model_type {hf.get('speculators_model_type')!r}: only eagle3 drafts load")
-        if hf.get("fc_norm"):
-            raise ValueError("a speculators draft with fc_norm (one norm per aux state) is not supported")
         layer = dict(hf["transformer_layer_config"])
         if int(layer.get("num_hidden_layers", 1)) != 1:
             raise ValueError(f"a speculators draft of {layer['num_hidden_layers']} layers: one is supported")
+        # vLLM reads an absent norm_before_residual as true (speculators' default), the rest as false
+        flags = {flag: bool(hf.get(flag, flag == "norm_before_residual")) for flag in ARCHITECTURE_FLAGS + ("fc_norm",)}
         merged = {**layer, "target_hidden_size": hf.get("target_hidden_size") or layer["hidden_size"],
                   "draft_vocab_size": hf["draft_vocab_size"],
-                  "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
-                  **{flag: bool(hf.get(flag, False)) for flag in ARCHITECTURE_FLAGS}}
+                  "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"], **flags}
         return cls.from_hf_config(merged)
+
+    def to_speculators_config(self, verifier: str, verifier_architectures: list[str],
+                              speculative_tokens: int) -> dict:
+        """The same draft as the speculators format's config.json: vLLM loads it natively
+        (``vllm serve <draft>`` finds the verifier in it) and speculators reads it."""
+        if self.architecture != "llama":
+            raise ValueError("the speculators format has no MLA EAGLE-3 draft: export it as eagle3")
+        layer = {k: v for k, v in self.to_hf_config().items()
+                 if k not in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size",
+                              "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states") + ARCHITECTURE_FLAGS
+                 + ("fc_norm",)}
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": "0.9.0", "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            **{flag: bool(getattr(self, flag)) for flag in ARCHITECTURE_FLAGS + ("fc_norm",)},
+            "tie_word_embeddings": False, "torch_dtype": self.torch_dtype, "transformer_layer_config": layer,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}},
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -337,13 +359,13 @@ class DraftConfig:
             config.update(self._mla_hf_fields())
         if self.rope_scaling:
             config["rope_scaling"] = dict(self.rope_scaling)
-        if min(self.aux_layer_ids) >= 1:
-            # SGLang reads eagle_config's ids as "output of layer i" (it captures i+1);
-            # vLLM prefers the top-level key above and uses eagle_config only for the count.
-            config["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": to_layer_outputs(self.aux_layer_ids),
-                "use_aux_hidden_state": True,
-            }
+        # SGLang captures only what eagle_config names (without it, its own default layers,
+        # silently), as "output of layer i" (it captures i+1): id 0, the embeddings, is its
+        # -1 (SGLang 0.5.23 and newer). vLLM prefers the top-level key above.
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": to_layer_outputs(self.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
         return config
 
 

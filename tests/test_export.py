@@ -215,6 +215,17 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
     assert m["vllm:spec_decode_num_drafts"] == steps
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    # The same draft in the speculators format: vLLM reads it natively, speculates the same.
+    spec_dir = export_draft(tmp_path / "train", vmap, target, tmp_path / "draft-speculators", "speculators")
+    config = json.loads((spec_dir / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target.resolve())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    with safe_open(str(spec_dir / "model.safetensors"), "pt") as f:
+        assert "layers.0.self_attn.q_proj.weight" in set(f.keys())
+    other = run_vllm({**req, "draft": str(spec_dir)})
+    assert other["outputs"] == spec["outputs"] and other["metrics"] == spec["metrics"], (other["metrics"], m)
+    assert Eagle3Draft.from_exported(spec_dir, target).config == Eagle3Draft.from_exported(draft, target).config
 
 
 @pytest.mark.slow
