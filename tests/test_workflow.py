@@ -90,6 +90,18 @@ def test_local_8gpu_gives_gpu_stages_all_gpus(tmp_path):
     assert set(gpu_rules) == {"extract_hidden_states", "train_draft", "evaluate_draft"}, list(gpu_rules)
 
 
+def test_config_override_reaches_the_stage_on_top_of_the_profile(tmp_path):
+    """`--config "train={epochs: 5}"` on top of a profile: the stage gets epochs 5 (typed, as the
+    schema says) and keeps the profile's other settings."""
+    workdir = workflow_copy(tmp_path / "wf")
+    result = snakemake(workdir, "-n", "-p", "--profile", "embedded", "--config",
+                       "train={epochs: 5, lr: 0.002}", "hub={dry_run: true}", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "eagle3flow.train" in line)
+    train = json.loads(command.split("--config-json '", 1)[1].split("'", 1)[0])
+    assert (train["epochs"], train["lr"], train["batch_tokens"]) == (5, 0.002, 4096)
+
+
 def test_lint_is_clean():
     result = snakemake(REPO, "--lint", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -152,6 +164,24 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
     by_k = summary["acceptance_length_vs_k"]
     assert by_k["4"] > by_k["3"] and by_k["7"] > by_k["4"], by_k
+
+    # The model card: Hub metadata and this run's evaluation table.
+    import yaml
+
+    card = (workdir / "results" / "draft" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["base_model"] == "target" and {"speculative-decoding", "eagle3"} <= set(meta["tags"])
+    assert f"| eval | {summary['settings']['num_prompts']} | {vllm_al:.3f} |" in card, card
+    assert "vllm serve" in card and "--speculative-algorithm EAGLE3" in card
+    # publish_draft up to the upload: the token from the environment, never in the output.
+    secret = "hf_test_not_a_real_token_123"
+    result = snakemake(workdir, "--profile", "embedded", "publish_draft", "--config",
+                       "hub={repo_id: me/embedded-eagle3, dry_run: true}", HF_TOKEN=secret, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    record = json.loads((workdir / "results" / "draft" / "published.json").read_text())
+    assert record["dry_run"] is True and set(record["files"]) == {"config.json", "model.safetensors", "README.md"}
+    logs = result.stdout + result.stderr + (workdir / "logs" / "publish_draft.log").read_text()
+    assert "me/embedded-eagle3" in logs and secret not in logs
 
     # 4. A finished workflow reruns nothing.
     result = snakemake(workdir, "--profile", "embedded", "-n", timeout=300)
