@@ -62,6 +62,7 @@ from eagle3flow.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizer
 from eagle3flow.progress import Progress, format_eta
 from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
+from eagle3flow.trackers import Trackers, flatten
 from eagle3flow.train_data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
                                    plan_batches, rank_share)
 
@@ -84,6 +85,7 @@ TRAIN_DEFAULTS = {
     "teacher_temperature": 1.0,  # < 1 sharpens the teacher towards its argmax (what greedy accepts)
     "init_midlayer": "random",   # random | target: attention, MLP and norms from the target's last layer
     "hidden_noise": 0.0,       # std of Gaussian noise on the aux states, relative to their RMS (training only)
+    "report_to": [],           # experiment trackers: tensorboard | wandb | mlflow (eagle3flow/trackers.py)
     "seed": 0,
     "log_every": 10,           # optimizer steps between metrics lines
     "checkpoint_every": 200,   # optimizer steps between checkpoints (and one at the end)
@@ -101,7 +103,8 @@ TRAIN_DEFAULTS = {
 # Keys that change neither the trained weights nor the loss history (the world size
 # changes the float summation order only, so a run may resume under another one).
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
-                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype")
+                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype",
+                     "report_to")
 
 
 def resolve_train_config(config: dict | None) -> dict:
@@ -129,6 +132,10 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: init_midlayer must be random|target, got {merged['init_midlayer']!r}")
     if not float(merged["teacher_temperature"]) > 0:
         raise ValueError(f"train config: teacher_temperature must be > 0, got {merged['teacher_temperature']}")
+    from eagle3flow.trackers import TRACKERS
+
+    if not isinstance(merged["report_to"], list) or set(merged["report_to"]) - set(TRACKERS):
+        raise ValueError(f"train config: report_to must be a list of {list(TRACKERS)}, got {merged['report_to']!r}")
     if float(merged["hidden_noise"]) < 0:
         raise ValueError(f"train config: hidden_noise must be >= 0, got {merged['hidden_noise']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
@@ -550,11 +557,14 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     def checkpoint(next_epoch: int, next_batch: int):
         nonlocal best
         if eval_split is not None:
-            acceptance = evaluate()["simulated_acceptance_length"][str(num_steps)]
+            evaluated = evaluate()
+            acceptance = evaluated["simulated_acceptance_length"][str(num_steps)]
             if acceptance is not None and (best is None or acceptance > best["acceptance_length"]):
                 best = {"step": step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps}
             log(f"train: step {step} eval simulated acceptance length (K={num_steps}) {acceptance}; "
                 f"best {best}")
+            trackers.log(step, flatten("eval", {"simulated_acceptance_length": evaluated["simulated_acceptance_length"],
+                                                "step_accuracy": evaluated["step_accuracy"]}))
         batches = plan(next_epoch) if next_epoch < cfg["epochs"] else []
         position = batches[next_batch][0] if next_batch < len(batches) else None
         state = {
@@ -587,6 +597,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token, "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({'configured' if cfg['peak_flops'] else 'measured'})")
 
+    trackers = Trackers(cfg["report_to"] if ctx.is_main else [], out_dir, fp, cfg)
     progress = Progress("train", data.num_tokens * cfg["epochs"], unit="tokens",
                         done=data.num_tokens * cfg["epochs"] - sum(global_tokens),
                         stream=sys.stderr if ctx.is_main else open(os.devnull, "w"))
@@ -643,6 +654,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
                 for path in metrics_paths:
                     with open(path, "a") as f:
                         f.write(line + "\n")
+                trackers.log(step, flatten("train", {k: v for k, v in row.items() if k not in ("step", "epoch")}))
         progress.update(global_tokens[k], extra=f"step {step}/{total_steps} {last}")
         if step % cfg["checkpoint_every"] == 0 or step == total_steps:
             if ctx.is_main:
@@ -650,6 +662,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         if delay:
             time.sleep(delay)
     progress.close()
+    trackers.close()
 
     if not ctx.is_main:
         return {}

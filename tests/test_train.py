@@ -179,3 +179,23 @@ def test_bad_inputs_are_named(train_inputs, tmp_path):
     save_file({"d2t": torch.zeros(12, dtype=torch.int64), "t2d": t2d}, str(bad))
     with pytest.raises(ValueError, match="bad_vocab.safetensors: d2t and t2d disagree"):
         train(train_inputs["train"], None, bad, train_inputs["target"], tmp_path / "o", tmp_path / "c", CONFIG)
+
+
+def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "train"
+    train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
+          tmp_path / "cache", {**CONFIG, "epochs": 2, "report_to": ["tensorboard"]})
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/step_acc/0", "train/step_loss/2", "train/lr", "train/tokens_per_s",
+                "train/mfu", "train/data_wait_s", "train/grad_norm", "eval/simulated_acceptance_length/3"):
+        assert tag in tags, (tag, sorted(tags))
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [r["step"] for r in rows]
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    with pytest.raises(ValueError, match="report_to"):
+        resolve_train_config({"report_to": ["comet"]})
