@@ -23,9 +23,10 @@ fails the stage at once. ``--serve-target DIR`` (the embedded default, which has
 production server) starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 for the
 duration of the run and stops it after.
 
-Politeness: at most ``max_concurrency`` conversations in flight; 429, 5xx, timeouts
-and dropped connections are retried ``max_retries`` times with exponential backoff
-and jitter (``Retry-After`` honoured); any other 4xx fails that prompt at once.
+Politeness: at most ``max_concurrency`` conversations in flight over as many pooled
+keep-alive connections (httpx); 429, 5xx, timeouts and dropped connections are retried
+``max_retries`` times with exponential backoff and jitter (``Retry-After`` honoured);
+any other 4xx fails that prompt at once.
 
 Resume: each finished conversation is appended (one JSON line, flushed) to
 ``<cache>/<fingerprint>/responses.jsonl``, keyed by sample id and a hash of its
@@ -132,44 +133,50 @@ def redact_url(url: str) -> str:
 # ---------------------------------------------------------------- HTTP
 
 class ChatClient:
-    """Plain urllib client of an OpenAI-compatible server. Thread-safe (no shared state
-    but counters under a lock)."""
+    """An OpenAI-compatible server through one pooled ``httpx`` client (keep-alive
+    connections, up to ``max_connections`` at once, the timeout on every request).
+    Thread-safe. Status codes, timeouts and dropped connections are mapped to Transient
+    (retried by :func:`call_with_retries`, whose policy and counts are this stage's) or
+    PromptFailed (any other 4xx)."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout: float):
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_connections: int = 16):
+        import httpx
+
         base = base_url.rstrip("/")
         self.base = base[:-3] if base.endswith("/v1") else base
-        self.api_key, self.timeout = api_key, timeout
+        self.timeout = timeout
+        headers = {"Accept": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections))
         self._lock = threading.Lock()
         self.requests = 0
 
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        """The JSON answer; raises Transient, PromptFailed (other 4xx) or URLError."""
-        headers = {"Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers=headers)
+        """The JSON answer; raises Transient or PromptFailed (other 4xx)."""
+        import httpx
+
         with self._lock:
             self.requests += 1
+        seconds = timeout or self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            detail = error.read()[:300].decode(errors="replace").strip()
-            reason = f"HTTP {error.code} from {path}: {detail}" if detail else f"HTTP {error.code} from {path}"
-            if error.code in RETRYABLE_STATUS:
-                raise Transient(reason, _retry_after(error.headers.get("Retry-After"))) from None
-            raise PromptFailed(reason) from None
-        except (TimeoutError, socket.timeout) as error:
-            raise Transient(f"timeout after {timeout or self.timeout:.0f}s on {path}") from error
-        except (ConnectionError, urllib.error.URLError) as error:
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise Transient(f"timeout after {timeout or self.timeout:.0f}s on {path}") from error
-            raise Transient(f"connection failed on {path}: {reason}") from error
+            response = (self._http.post(path, json=body, timeout=seconds) if body is not None
+                        else self._http.get(path, timeout=seconds))
+        except httpx.TimeoutException as error:
+            raise Transient(f"timeout after {seconds:.0f}s on {path}") from error
+        except httpx.TransportError as error:
+            raise Transient(f"connection failed on {path}: {error}") from error
+        if response.status_code >= 400:
+            detail = response.text[:300].strip()
+            reason = (f"HTTP {response.status_code} from {path}: {detail}" if detail
+                      else f"HTTP {response.status_code} from {path}")
+            if response.status_code in RETRYABLE_STATUS:
+                raise Transient(reason, _retry_after(response.headers.get("Retry-After")))
+            raise PromptFailed(reason)
+        try:
+            return response.json()
         except ValueError as error:  # a 200 whose body is not JSON
             raise Transient(f"invalid JSON from {path}: {error}") from error
 
@@ -178,6 +185,9 @@ class ChatClient:
 
     def chat(self, body: dict) -> dict:
         return self._request("/v1/chat/completions", body)
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -394,7 +404,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     template_kwargs = dict(template_kwargs or {})
     out_dir, t0 = Path(out_dir), time.monotonic()
     api_key = os.environ.get(cfg["api_key_env"]) or None
-    client = ChatClient(base_url, api_key, cfg["request_timeout_s"])
+    client = ChatClient(base_url, api_key, cfg["request_timeout_s"], cfg["max_concurrency"])
     form = reasoning_form(cfg["reasoning"], tokenizer_dir)
     model_setting = cfg["model"] or os.environ.get(MODEL_ENV) or None
     # The model name is part of the fingerprint, so without one the server must be asked
@@ -450,6 +460,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         cache.close()
+        client.close()
     progress.close()
 
     stats = _write_outputs(conversations, cache.entries, failures, out_dir, {

@@ -68,7 +68,7 @@ def embedded(tmp_path_factory) -> Path:
     if existing:
         return Path(existing)
     out = tmp_path_factory.mktemp("embedded_tiny")
-    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "30",
+    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "80",
                     "--max-conversations", "150"], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=600)
     return out
@@ -79,7 +79,9 @@ def dataset(embedded, tmp_path_factory) -> Path:
     """NUM_CONVERSATIONS conversations (some multi-turn, ShareGPT ids kept) plus one bad row."""
     path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     lines = (embedded / "conversations.jsonl").read_text().splitlines()[:NUM_CONVERSATIONS]
-    lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]}))
+    # A prompt-only row ({user}) would be answered (regenerate answers trailing user turns):
+    # the unusable row is one that opens with an answer to nothing.
+    lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "assistant", "content": "hi"}]}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
