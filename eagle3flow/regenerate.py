@@ -239,14 +239,36 @@ def request_seed(seed: int, sample_id: str, turn: int) -> int:
 
 
 def assistant_message(message: dict, form: str) -> dict:
-    """The server's message as the chat template expects it in training data."""
+    """The server's message as the chat template expects it in training data (its tool
+    calls kept, their arguments parsed as templates take them)."""
     content = message.get("content") or ""
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     if not reasoning or form == "drop":
-        return {"role": "assistant", "content": content}
-    if form == "field":
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
-    return {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
+        kept = {"role": "assistant", "content": content}
+    elif form == "field":
+        kept = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    else:
+        kept = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
+    if message.get("tool_calls"):
+        from eagle3flow.dataset import tool_calls_for_templates
+
+        kept["tool_calls"] = tool_calls_for_templates(message["tool_calls"], "the answer")
+    return kept
+
+
+def wire_message(message: dict) -> dict:
+    """A turn as an OpenAI-compatible server takes it back: tool calls with their arguments
+    as a JSON string, a tool's output with the id of the call it answers."""
+    sent = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            sent[key] = message[key]
+    if message.get("tool_calls"):
+        sent["tool_calls"] = [{**call, "function": {**call["function"], "arguments": call["function"]["arguments"]
+                                                    if isinstance(call["function"]["arguments"], str)
+                                                    else json.dumps(call["function"]["arguments"])}}
+                              for call in message["tool_calls"]]
+    return sent
 
 
 def reasoning_form(setting: str, tokenizer_dir: str | None) -> str:
@@ -301,10 +323,11 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
     sent: list[dict] = []      # what the server sees: previous answers as content only
     kept: list[dict] = []      # what training sees: answers with their reasoning
     finish_reasons, prompt_tokens, completion_tokens = [], 0, 0
+    tools = getattr(messages, "tools", None)
     for message in messages:
         if message["role"] != "assistant":
-            sent.append({"role": message["role"], "content": message["content"]})
-            kept.append(dict(sent[-1]))
+            sent.append(wire_message(message))
+            kept.append(dict(message))
             continue
         if stop.is_set():
             raise PromptFailed("stopped")
@@ -312,6 +335,8 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
         body = {"model": settings.model, "messages": sent, "max_tokens": cfg["max_tokens"],
                 "temperature": cfg["temperature"], "top_p": cfg["top_p"],
                 "seed": request_seed(cfg["seed"], sample_id, turn), **cfg["extra_body"]}
+        if tools:
+            body["tools"] = tools
         if settings.template_kwargs:
             body.setdefault("chat_template_kwargs", settings.template_kwargs)
         answer = call_with_retries(client, body, cfg, stop, counters, lock)
@@ -321,13 +346,15 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
         except (KeyError, IndexError, TypeError):
             raise PromptFailed(f"turn {turn}: malformed answer: {json.dumps(answer)[:200]}") from None
         regenerated = assistant_message(reply, settings.form)
-        if not regenerated["content"].strip() and not regenerated.get("reasoning_content"):
+        if not regenerated["content"].strip() and not regenerated.get("reasoning_content") \
+                and not regenerated.get("tool_calls"):
             raise PromptFailed(f"turn {turn}: empty answer (finish_reason {choice.get('finish_reason')})")
         finish_reasons.append(choice.get("finish_reason"))
         usage = answer.get("usage") or {}
         prompt_tokens += int(usage.get("prompt_tokens") or 0)
         completion_tokens += int(usage.get("completion_tokens") or 0)
-        sent.append({"role": "assistant", "content": reply.get("content") or ""})
+        sent.append(wire_message({"role": "assistant", "content": reply.get("content"),
+                                  "tool_calls": reply.get("tool_calls")}))
         kept.append(regenerated)
     return {"id": sample_id, "prompt_sha": prompt_hash(messages), "messages": kept,
             "finish_reasons": finish_reasons, "prompt_tokens": prompt_tokens,

@@ -348,3 +348,87 @@ def test_regenerate_runs_before_any_drain(tmp_path):
         assert "regenerate_responses" in ancestors(drain)
     prepare = next(n for n, rule in nodes.items() if rule == "prepare_dataset")
     assert "regenerate_responses" in ancestors(prepare)
+
+
+class ToolCallingServer:
+    """A real HTTP server speaking OpenAI's chat API as a tool-using target does: its first
+    answer calls get_weather, its answer after the tool's output is text. Records requests."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _json(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._json({"object": "list", "data": [{"id": "agent-target", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                if body["messages"][-1]["role"] == "tool":
+                    message = {"role": "assistant", "content": "It is clear in Paris."}
+                else:
+                    message = {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_x", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]}
+                self._json({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                            "usage": {"prompt_tokens": 10, "completion_tokens": 5}})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_tool_calls_are_sent_kept_and_trained_on(tmp_path):
+    """An agent row: the tools go with every request, the target's own call is kept (and sent
+    back in OpenAI's wire format before the tool's output), and the dataset trains on it."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_dataset import TOOL_ROW, TOOLS, make_chat_tokenizer
+
+    data = tmp_path / "agent.jsonl"
+    data.write_text(json.dumps(TOOL_ROW) + "\n")
+    server = ToolCallingServer()
+    try:
+        rc = main(["--input", str(data), "--out-dir", str(tmp_path / "out"), "--cache-root", str(tmp_path / "cache"),
+                   "--config-json", json.dumps({"base_url": server.url, "max_tokens": 16})])
+    finally:
+        server.close()
+    assert rc == 0
+    first, second = server.requests
+    assert first["tools"] == TOOLS and second["tools"] == TOOLS
+    call = second["messages"][1]
+    assert call["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
+    assert second["messages"][2] == {"role": "tool", "content": "temperature=18C; sky=clear", "tool_call_id": "call_1"}
+    [row] = read_rows(tmp_path / "out" / "responses.jsonl")
+    assert row["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
+    assert row["messages"][3]["content"] == "It is clear in Paris."
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", "kimi_k2")
+    stats = prepare_dataset(str(data), tokenizer, tmp_path / "ds", DatasetConfig(eval_fraction=0.0),
+                            regenerated=tmp_path / "out" / "responses.jsonl")
+    assert stats["regenerated"]["samples"] == 1 and stats["bad"]["count"] == 0, stats["bad"]
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    table = pq.read_table(tmp_path / "ds" / "train.parquet").to_pylist()[0]
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    trained = tok.decode([t for t, m in zip(table["input_ids"], table["loss_mask"]) if m])
+    assert "get_weather" in trained and '"unit": "C"' in trained and "clear in Paris" in trained
+    assert "temperature=18C" not in trained
