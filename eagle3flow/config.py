@@ -1,4 +1,8 @@
-"""The workflow's configuration: typed from the command line, validated against the schema.
+"""The workflow's configuration: the schema is the one home of every default.
+
+``schemas/config.schema.yaml`` describes every key and holds its default; the stages'
+modules read their defaults from it (:func:`schema_defaults`), so a default cannot
+differ between the workflow and a stage called by hand.
 
 ``snakemake --config key=value`` parses a nested value with YAML's BaseLoader, so every
 scalar inside it arrives as a string (``--config "train={epochs: 5}"`` gives
@@ -8,8 +12,12 @@ object) before validation; a string where the schema wants a string stays one.
 """
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import yaml
 
+SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 SCALARS = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
 
 
@@ -33,7 +41,8 @@ def coerce_to_schema(value, schema: dict):
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
-        return coerce_to_schema(parsed, schema)
+        # what still is a string is left for the schema's validation to refuse
+        return value if isinstance(parsed, str) else coerce_to_schema(parsed, schema)
     return value
 
 
@@ -42,3 +51,17 @@ def coerce_config(config: dict, schema_path: str) -> None:
     with open(schema_path) as f:
         schema = yaml.safe_load(f)
     config.update(coerce_to_schema(dict(config), schema))
+
+
+@functools.cache
+def _schema() -> dict:
+    with open(SCHEMA) as f:
+        return yaml.safe_load(f)
+
+
+def schema_defaults(section: str) -> dict:
+    """``{key: default}`` of one top-level section of the schema (a fresh copy)."""
+    import copy
+
+    properties = _schema()["properties"][section]["properties"]
+    return {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}

@@ -70,29 +70,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3flow.config import schema_defaults
 from eagle3flow.progress import Progress
 
-DEFAULTS = {
-    "enabled": False,
-    "base_url": None,
-    "model": None,
-    "api_key_env": "EAGLE3FLOW_REGENERATE_API_KEY",
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_tokens": 2048,
-    "seed": 0,
-    "reasoning": "auto",
-    "extra_body": {},
-    "max_concurrency": 16,
-    "max_retries": 6,
-    "backoff_s": 1.0,
-    "max_backoff_s": 60.0,
-    "request_timeout_s": 600.0,
-    "max_failed_fraction": 0.01,
-    "serve_max_model_len": 2048,
-    "serve_startup_timeout_s": 600.0,
-    "compare_original_answers": False,
-}
+# The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
+DEFAULTS = schema_defaults("regenerate")
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")

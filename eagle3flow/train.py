@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3flow.config import schema_defaults
 from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
 from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
@@ -66,40 +67,8 @@ from eagle3flow.trackers import Trackers, flatten
 from eagle3flow.train_data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
                                    plan_batches, rank_share)
 
-TRAIN_DEFAULTS = {
-    "ttt_steps": 7,            # chain steps trained (and evaluated)
-    "epochs": 1,
-    "batch_tokens": 8192,      # packed tokens per optimizer step
-    "lr": 3e-3,
-    "optimizer": "muon",       # muon (hidden matrices; AdamW for the rest) | adamw: eagle3flow/optim.py
-    "lr_schedule": "cosine",   # cosine | linear decay after the warmup
-    "min_lr_ratio": 0.1,       # the schedule decays to lr * min_lr_ratio
-    "warmup_ratio": 0.03,      # fraction of total steps of linear warmup
-    "weight_decay": 0.0,
-    "adam_betas": [0.9, 0.95],
-    "muon_momentum": 0.95,
-    "muon_weight_decay": 0.1,
-    "max_grad_norm": 1.0,
-    "step_loss_decay": 0.8,    # weight of step j is decay**j
-    "freeze_lm_head": False,   # keep the lm_head at the target's rows
-    "teacher_temperature": 1.0,  # < 1 sharpens the teacher towards its argmax (what greedy accepts)
-    "init_midlayer": "random",   # random | target: attention, MLP and norms from the target's last layer
-    "hidden_noise": 0.0,       # std of Gaussian noise on the aux states, relative to their RMS (training only)
-    "report_to": [],           # experiment trackers: tensorboard | wandb | mlflow (eagle3flow/trackers.py)
-    "seed": 0,
-    "log_every": 10,           # optimizer steps between metrics lines
-    "checkpoint_every": 200,   # optimizer steps between checkpoints (and one at the end)
-    "keep_checkpoints": 2,
-    "device": "auto",          # auto | cpu | cuda
-    "draft": {},               # DraftConfig overrides, e.g. {"intermediate_size": 1024}
-    "eval_max_tokens": None,   # cap on eval tokens (None: the whole eval split)
-    "nproc": None,             # processes per node (None: one per GPU, 1 on CPU); read by the launcher
-    "nodes": 1,                # nodes (SLURM); read by the launcher
-    "data_workers": None,      # reader processes per rank (None: 4 on CUDA, 0 on CPU)
-    "prefetch_batches": 8,     # batches read ahead per rank
-    "peak_flops": None,        # per-device FLOP/s for MFU (None: measured bf16/fp32 matmul)
-    "grad_reduce_dtype": "auto",  # dtype of the gradient all-reduce: auto (bf16 on CUDA) | float32 | bfloat16
-}
+# Every key of the workflow's `train` section, with its default (schemas/config.schema.yaml).
+TRAIN_DEFAULTS = schema_defaults("train")
 # Keys that change neither the trained weights nor the loss history (the world size
 # changes the float summation order only, so a run may resume under another one).
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
