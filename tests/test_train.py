@@ -199,3 +199,18 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
     assert [e.value for e in losses] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     with pytest.raises(ValueError, match="report_to"):
         resolve_train_config({"report_to": ["comet"]})
+
+
+def test_mfu_is_never_above_one():
+    """A peak measured while the machine was busy comes out low: the MFU is then measured
+    against a second measurement, or unknown, never above 100%."""
+    from eagle3flow.train import PeakFlops
+
+    peak = PeakFlops(torch.device("cpu"), None)
+    first = peak.value
+    assert peak.mfu(first / 2)["mfu"] == pytest.approx(0.5)
+    too_fast = peak.mfu(first * 1000)
+    assert too_fast["mfu"] is None and peak.remeasured and too_fast["mfu_peak_flops"] >= first
+    configured = PeakFlops(torch.device("cpu"), 1e12)
+    assert configured.mfu(5e11) == {"mfu": 0.5, "mfu_peak_flops": 1e12, "mfu_basis": "configured"}
+    assert configured.mfu(2e12)["mfu"] is None
