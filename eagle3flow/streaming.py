@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -195,11 +194,6 @@ def chain_from_budget(partitions: int, epochs: int, room_bytes: float,
         return None, (f"not even one of the {partitions} partitions ({part_bytes:,} B of hidden "
                       f"states each) fits in the {max(0, int(room_bytes)):,} B left for them")
     return Chain(partitions, epochs, fits, part_bytes), None
-
-
-def partitions_needed(train_bytes: float, room_bytes: float, in_flight: int = 2) -> int:
-    """Partitions for ``in_flight`` of them to fit in ``room_bytes``."""
-    return max(2, math.ceil(in_flight * train_bytes / max(room_bytes, 1)))
 
 
 # ----------------------------------------------------------------------------- consuming a link

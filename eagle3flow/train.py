@@ -112,12 +112,6 @@ def resolve_train_config(config: dict | None) -> dict:
     return merged
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 # ---------------------------------------------------------------------------- vocab map / model init
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
