@@ -21,12 +21,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import json
-import os
 import re
 import warnings
 from pathlib import Path
 
+from eagle3flow.atomic import write_jsonl
 from eagle3flow.jsonl import iter_jsonl
 
 # Pure-Python or always-built modules present on every CPython >= 3.10 on Linux/macOS.
@@ -295,11 +294,7 @@ def write_conversations(conversations: list[dict], path: Path) -> None:
     """Write JSONL atomically (temp name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for conv in conversations:
-            f.write(json.dumps(conv, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_jsonl(path, conversations, sort_keys=True)
 
 
 def build_corpus(out_path: Path, max_conversations: int | None = 4000) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 from eagle3flow.config import schema_defaults
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
-from eagle3flow.shards import atomic_write_json
+from eagle3flow.atomic import write_json
 from eagle3flow.vllm_runner import run_vllm
 
 # The config's `evaluate` section with its defaults (schemas/config.schema.yaml).
@@ -158,7 +158,7 @@ def _cached_vllm_run(name: str, request: dict, out_dir: Path, python: str | None
     t0 = time.monotonic()
     result = run_vllm(request, out, python=python, log_path=out_dir / f"{name}.log")
     result["request_fingerprint"] = key
-    atomic_write_json(out, result)
+    write_json(out, result)
     print(f"evaluate: vLLM {name} done in {time.monotonic() - t0:.0f}s "
           f"({result['output_tokens_per_s']:.1f} output tokens/s)", file=sys.stderr, flush=True)
     return result
@@ -622,7 +622,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "per_prompt": main["per_prompt"],
         "elapsed_s": time.monotonic() - t_start,
     }
-    atomic_write_json(out_json, summary)
+    write_json(out_json, summary)
     print(format_summary(summary), file=sys.stderr, flush=True)
     return summary
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3flow.draft_model import DraftConfig, exported_param_names
 from eagle3flow.sglang_contract import sglang_problems
-from eagle3flow.shards import atomic_write_json
+from eagle3flow.atomic import write_json
 from eagle3flow.target_weights import load_target_config, target_dtype
 from eagle3flow.train import load_vocab_map
 
@@ -67,7 +67,7 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
     tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")
-    atomic_write_json(out_dir / "config.json", config)
+    write_json(out_dir / "config.json", config)
     if fmt == "eagle3":
         for problem in sglang_problems(config, set(tensors), load_target_config(target_path)):
             print(f"export: SGLang would not serve {out_dir} as trained: {problem}", file=sys.stderr)

@@ -21,6 +21,7 @@ import json
 import os
 from pathlib import Path
 
+from eagle3flow.atomic import write_text
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.sglang_contract import sglang_problems
 
@@ -149,9 +150,7 @@ def main(argv=None) -> int:
     read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
     card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
                   read(args.train_eval), base_model_name(args.target, args.base_model))
-    tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
-    tmp.write_text(card)
-    os.replace(tmp, args.out)
+    write_text(args.out, card)
     return 0
 
 

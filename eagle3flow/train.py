@@ -45,23 +45,21 @@ import re
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3flow.atomic import write_json
 from eagle3flow.config import schema_defaults
 from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
 from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
 from eagle3flow.loss import scored_mask, teacher_targets, ttt_loss
 from eagle3flow.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizers, lr_factor
-from eagle3flow.progress import Progress, format_eta
-from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
+from eagle3flow.progress import Progress
+from eagle3flow.shards import Manifest, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
 from eagle3flow.trackers import Trackers, flatten
 from eagle3flow.train_data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
@@ -491,7 +489,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
 
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
+        write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
                                                     "train_manifest": str(train_manifest), "chain": chain})
     step, epoch, batch_index, best, base_step = 0, 0, 0, None, 0
     history_from = None            # another run's metrics.jsonl this run's history starts with
@@ -516,8 +514,8 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     if state is not None:
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
+        tokens_done[0] = int(state.get("tokens_done", 0))   # before the schedule: a chain's lr reads it
         scheduler.load_state_dict(state["scheduler"])
-        tokens_done[0] = int(state.get("tokens_done", 0))
         set_rng_state(state["rng"])
         del state
     total_steps = base_step + sum(steps_per_epoch)
@@ -561,7 +559,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         }
         save_checkpoint(run_dir, step, state, cfg["keep_checkpoints"], best["step"] if best else None)
         if best is not None:
-            atomic_write_json(run_dir / "best.json", {**best, "checkpoint": str(run_dir / f"step-{best['step']:08d}")})
+            write_json(run_dir / "best.json", {**best, "checkpoint": str(run_dir / f"step-{best['step']:08d}")})
 
     # The remaining global batches, in order, and this rank's share of each.
     positions = [(e, b) for e in range(epoch, cfg["epochs"])
@@ -657,7 +655,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     save_file({k: v.detach().cpu().float().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
                for k, v in model.trainable_state_dict().items()},
               str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
-    atomic_write_json(out_dir / "draft_config.json", model.config.to_dict())
+    write_json(out_dir / "draft_config.json", model.config.to_dict())
     result = {"train_config": cfg, "fingerprint": fp, "steps": step, "world_size": ctx.world_size,
               "flops_per_token": flops_per_token, "best_checkpoint": best,
               "tokens_done": tokens_done[0], "chain": chain,
@@ -666,9 +664,9 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         result.update(evaluate())
         log(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
             f"{result['simulated_acceptance_length']}")
-    atomic_write_json(out_dir / "eval.json", result)
+    write_json(out_dir / "eval.json", result)
     # Last: the final checkpoint and the outputs are on disk.
-    atomic_write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done[0],
+    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done[0],
                                             "checkpoint": result["final_checkpoint"],
                                             "out_dir": str(out_dir), "finished_at": time.time()})
     return result

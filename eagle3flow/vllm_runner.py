@@ -52,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 
 SPEC_COUNTERS = {
@@ -404,10 +405,7 @@ def main(argv=None) -> None:
         request = json.load(f)
     result = generate(request)
     out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.partial")
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out)
+    write_json(out, result, indent=None)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow import shards
+from eagle3flow.atomic import write_json
 from eagle3flow.train import evaluate_split, load_trained, resolve_train_config, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +59,7 @@ def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int
                 "dtype": "float32", "num_layers": model.config.num_hidden_layers,
                 "target_path": str(target), "num_samples": num_samples,
                 "num_tokens": sum(e["num_tokens"] for e in entries)}
-    shards.atomic_write_json(out / "manifest.json", manifest)
+    write_json(out / "manifest.json", manifest)
     return out / "manifest.json"
 
 
