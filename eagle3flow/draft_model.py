@@ -257,6 +257,9 @@ class DraftConfig:
             "torch_dtype": self.torch_dtype,
             # This project's convention == vLLM's top-level key (id k = input of layer k).
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            # fc's input is this many target states: vLLM reads the count here (else from
+            # eagle_config, else 3), so any count loads.
+            "num_aux_hidden_states": len(self.aux_layer_ids),
         }
         for flag in ARCHITECTURE_FLAGS:
             if getattr(self, flag):
