@@ -3,12 +3,18 @@ SHELL := /bin/bash
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo demo-regenerate test lint
+# Which build .venv gets: auto (CUDA where nvidia-smi lists a GPU), cpu or cuda.
+DEVICE ?= auto
+
+.PHONY: setup demo demo-smollm2 demo-regenerate test lint
 setup:
-	bash scripts/setup.sh
+	DEVICE=$(DEVICE) bash scripts/setup.sh
 
 demo: setup
 	snakemake --profile embedded
+
+demo-smollm2: setup
+	snakemake --profile smollm2
 
 demo-regenerate: setup
 	snakemake --profile embedded-regenerate

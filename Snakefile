@@ -11,6 +11,12 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
+# --config "train={epochs: 5}" hands over "5": typed as the schema says, then validated.
+from eagle3flow.config import coerce_config
+
+coerce_config(config, f"{workflow.basedir}/schemas/config.schema.yaml")
+
+
 validate(config, "schemas/config.schema.yaml")
 
 
@@ -27,6 +33,7 @@ include: "rules/streaming.smk"
 include: "rules/export.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/publish.smk"
 
 
 report: "report/workflow.rst"
@@ -38,6 +45,7 @@ rule all:
         DRAFT_FILES,
         f"{RESULTS}/eval/summary.json",
         rules.build_report.output,
+        MODEL_CARD,
     default_target: True
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
+
+from eagle3flow.atomic import write_jsonl
 
 TOPICS = (
     "photosynthesis", "black holes", "the water cycle", "inflation", "machine learning",
@@ -367,11 +367,7 @@ def write_prompts(path: str | Path, count: int) -> dict:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(count)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for prompt in prompts:
-            f.write(json.dumps(prompt, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_jsonl(path, prompts)
     by_task = {}
     for prompt in prompts:
         by_task[prompt["task"]] = by_task.get(prompt["task"], 0) + 1

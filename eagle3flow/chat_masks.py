@@ -45,10 +45,10 @@ class ChatMasker:
         self.added_tokens = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         self.assistant_header = self._probe_assistant_header()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs)
+            **({"tools": tools} if tools else {}), **self.template_kwargs)
 
     def _probe_assistant_header(self) -> str | None:
         """The text the generation prompt adds, e.g. '<|im_start|>assistant\\n'."""
@@ -79,10 +79,10 @@ class ChatMasker:
                 break
         return end - pos
 
-    def _span_by_prefix(self, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+    def _span_by_prefix(self, messages: list[dict], i: int, full: str, tools=None) -> tuple[int, int] | None:
         try:
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            done = self.render(messages[:i + 1])
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            done = self.render(messages[:i + 1], tools=tools)
         except Exception:
             return None
         if not (done.startswith(prompt) and full.startswith(done)) or len(done) == len(prompt):
@@ -100,6 +100,16 @@ class ChatMasker:
             if last > start:
                 end = last
         return start, end
+
+    def _rendered_turn(self, messages: list[dict], i: int, tools=None) -> str:
+        """Turn ``i`` as the template writes it when it is the last one (what the generation
+        prompt is followed by); '' when the template cannot render that."""
+        try:
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            done = self.render(messages[:i + 1], tools=tools)
+        except Exception:
+            return ""
+        return done[len(prompt):] if done.startswith(prompt) else ""
 
     def _span_by_search(self, full: str, content: str, cursor: int) -> tuple[int, int] | None:
         # Reasoning templates (Qwen3, DeepSeek-R1) drop an earlier turn's <think> block:
@@ -119,8 +129,11 @@ class ChatMasker:
         return None
 
     def assistant_spans(self, messages: list[dict], sample_id: str = "?") -> tuple[str, list[tuple[int, int]]]:
-        """The full rendering and the character spans ``[start, end)`` of its assistant turns."""
-        full = self.render(messages)
+        """The full rendering and the character spans ``[start, end)`` of its assistant turns
+        (a tool-calling turn's span holds the calls as the template writes them; a tool's
+        output is not the assistant's)."""
+        tools = getattr(messages, "tools", None)
+        full = self.render(messages, tools=tools)
         spans: list[tuple[int, int]] = []
         cursor = 0
         missing = []
@@ -132,9 +145,13 @@ class ChatMasker:
                 if pos >= 0:
                     cursor = pos + len(content.strip())
                 continue
-            span = self._span_by_prefix(messages, i, full)
+            span = self._span_by_prefix(messages, i, full, tools)
             if span is None:
-                span = self._span_by_search(full, content, cursor)
+                # A tool-calling turn has no content to look for: its own rendering is the text
+                # (the calls as the template writes them, up to the end-of-turn marker).
+                text = content if content.strip() or not message.get("tool_calls") else \
+                    self._rendered_turn(messages, i, tools)
+                span = self._span_by_search(full, text, cursor)
             if span is None:
                 missing.append(i)
                 continue

@@ -69,7 +69,40 @@ DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ID_KEYS = ("id", "conversation_id", "question_id")
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
          "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
-         "model": "assistant"}
+         "model": "assistant", "tool": "tool", "function": "tool", "ipython": "tool",
+         "observation": "tool"}
+
+
+class Conversation(list):
+    """The messages of one sample (a list, as everywhere) and the ``tools`` its row declares
+    (OpenAI function schemas, handed to the chat template; None when it has none)."""
+
+    def __init__(self, messages=(), tools: list | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def tool_calls_for_templates(value, where: str) -> list[dict]:
+    """OpenAI ``tool_calls`` as chat templates take them: ``arguments`` parsed into a mapping
+    (the API sends a JSON string; HF templates print a dict with tojson)."""
+    if not isinstance(value, list) or not value:
+        raise BadRow("invalid tool_calls", f"{where}: expected a non-empty list")
+    calls = []
+    for n, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRow("invalid tool_calls", f"{where}: call {n} has no function name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise BadRow("invalid tool_calls", f"{where}: call {n} arguments are not JSON") from None
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if call.get("id") is not None:
+            entry["id"] = str(call["id"])
+        calls.append(entry)
+    return calls
 FORMAT_KEYS = {"messages": ("messages",), "sharegpt": ("conversations",),
                "instruction": ("instruction", "prompt")}
 OUTPUT_FILES = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
@@ -358,10 +391,23 @@ def conversation_from_record(record, fmt: str, answer_prompts: bool = False) -> 
         if role is None:
             raise BadRow("unknown role", f"turn {k}: {raw_role!r}")
         raw = turn.get("content") if turn.get("content") is not None else turn.get("value")
-        if raw is None and role == "assistant" and answer_prompts:
+        tool_calls = turn.get("tool_calls") if role == "assistant" else None
+        if raw is None and role == "assistant" and answer_prompts and not tool_calls:
             messages.append({"role": "assistant", "content": ""})
             continue
+        if tool_calls:
+            message = {"role": "assistant", "content": "" if raw is None else _text(raw, f"turn {k} (assistant)"),
+                       "tool_calls": tool_calls_for_templates(tool_calls, f"turn {k}")}
+            messages.append(message)
+            continue
         content = _text(raw, f"turn {k} ({role})")
+        if role == "tool":
+            message = {"role": "tool", "content": content}
+            for key in ("tool_call_id", "name"):
+                if turn.get(key) is not None:
+                    message[key] = str(turn[key])
+            messages.append(message)
+            continue
         # A reasoning model's thinking, in the field its chat template reads (regenerated
         # answers keep it there when the template expects it).
         reasoning = turn.get("reasoning_content") if role == "assistant" else None
@@ -376,12 +422,15 @@ def conversation_from_record(record, fmt: str, answer_prompts: bool = False) -> 
     first = next((m["role"] for m in messages if m["role"] != "system"), None)
     if first == "assistant":
         raise BadRow("assistant turn before any user turn")
-    if answer_prompts and messages and messages[-1]["role"] == "user":
+    if answer_prompts and messages and messages[-1]["role"] in ("user", "tool"):
         messages.append({"role": "assistant", "content": ""})
     last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last_assistant is None:
         raise BadRow("no assistant turn", "a prompt-only row needs regenerate.enabled (the target answers it)")
-    return messages[:last_assistant + 1]
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRow("invalid tools", "expected a list of function schemas")
+    return Conversation(messages[:last_assistant + 1], tools or None)
 
 
 def processing_order(sources, seed: int):
@@ -571,7 +620,7 @@ def with_regenerated_answers(sample_id: str, messages: list[dict], regenerated: 
     if [(m.get("role"), m.get("content")) for m in answered if m.get("role") != "assistant"] != prompts \
             or len(answered) != len(messages):
         return BadRow("regenerated answers do not match", "its prompt turns differ from the dataset's")
-    return answered
+    return Conversation(answered, getattr(messages, "tools", None))
 
 
 class _Skipped(BadRow):

@@ -63,12 +63,26 @@ ARCHITECTURE_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 # 1.66 to 1.94 and 2.04 (benchmarks/quality/README.md, ablations). norm_before_residual
 # did as well, but SGLang ignores that flag (it would serve such a draft wrongly, with no
 # error): it stays a train.draft override, for drafts served by vLLM only.
-DEFAULT_ARCHITECTURE = {"norm_before_fc": True, "norm_before_residual": False, "norm_output": True}
+# An MLA draft (vLLM's deepseek_eagle3.py) has no input_norm: only the normed state fed
+# to the next step carries over (fc_norm, its per-aux-state norm, is not measured yet).
+ARCHITECTURES = ("llama", "mla")
+DEFAULT_FLAGS = {"llama": {"norm_before_fc": True, "norm_before_residual": False, "norm_output": True},
+                 "mla": {"norm_before_fc": False, "norm_before_residual": False, "norm_output": True}}
+MLA_ATTENTION_NAMES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
 
 def exported_param_names(cfg: "DraftConfig") -> tuple[str, ...]:
     """The tensors an exported draft of ``cfg`` holds (besides ``d2t``/``t2d``)."""
-    return EXPORTED_PARAM_NAMES + (("input_norm.weight",) if cfg.norm_before_fc else ())
+    names = EXPORTED_PARAM_NAMES
+    if cfg.architecture == "mla":
+        q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if cfg.q_lora_rank else ("q_proj",)
+        attention = tuple(f"midlayer.self_attn.{n}.weight" for n in q + MLA_ATTENTION_NAMES)
+        names = tuple(n for n in names if not n.startswith("midlayer.self_attn.")) + attention
+    if cfg.norm_before_fc:
+        names += ("input_norm.weight",)
+    if cfg.fc_norm:
+        names += tuple(f"fc_norm.{i}.weight" for i in range(cfg.num_aux))
+    return names
 
 
 # ---------------------------------------------------------------------------- config
@@ -94,6 +108,15 @@ class DraftConfig:
     norm_before_fc: bool = False        # RMSNorm (input_norm) over the concatenated aux states before fc
     norm_before_residual: bool = False  # the residual is hidden_norm(h_in), not h_in
     norm_output: bool = False           # the next step is fed norm(h_out), not h_out
+    fc_norm: bool = False               # one RMSNorm per aux state before fc (fc_norm.<i>)
+    # The midlayer's attention: llama (GQA, LlamaForCausalLMEagle3) or mla (DeepSeek's
+    # multi-head latent attention, vLLM's Eagle3DeepseekV2ForCausalLM); MLA's dims:
+    architecture: str = "llama"
+    q_lora_rank: int | None = None      # None: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         if self.hidden_size != self.target_hidden_size:
@@ -110,6 +133,22 @@ class DraftConfig:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} not in 1..{self.vocab_size}")
         self.aux_layer_ids = [int(k) for k in self.aux_layer_ids]
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"draft architecture {self.architecture!r} is not one of {ARCHITECTURES}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm both normalise the aux states: pick one")
+        if self.architecture == "mla":
+            if not (self.kv_lora_rank > 0 and self.qk_rope_head_dim > 0 and self.v_head_dim > 0):
+                raise ValueError(f"an MLA draft needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0, got "
+                                 f"{self.kv_lora_rank}, {self.qk_rope_head_dim}, {self.v_head_dim}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+            if self.norm_before_fc:
+                # vLLM's deepseek_eagle3.py has no input_norm (it offers fc_norm instead)
+                raise ValueError("vLLM's MLA EAGLE-3 draft has no norm_before_fc; use fc_norm")
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise ValueError("an MLA draft attends every head to its own key and value: "
+                                 "num_key_value_heads must equal num_attention_heads")
 
     @property
     def num_aux(self) -> int:
@@ -141,6 +180,12 @@ class DraftConfig:
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         is_mla = "kv_lora_rank" in cfg
+        architecture = (overrides or {}).get("architecture", "auto")
+        if architecture == "auto":
+            architecture = "mla" if is_mla else "llama"
+        if architecture == "mla" and not is_mla:
+            raise ValueError("train.draft.architecture: mla needs an MLA target (DeepSeek-V2/V3, Kimi-K2): "
+                             "its config has no kv_lora_rank to take the draft's MLA dims from")
         if is_mla:
             head_dim = int(cfg.get("v_head_dim") or hidden // heads)
         else:
@@ -154,8 +199,10 @@ class DraftConfig:
         if "type" in rope:
             rope["rope_type"] = rope.pop("type") if "rope_type" not in rope else rope["rope_type"]
             rope.pop("type", None)
-        if rope.get("rope_type") in ("yarn", "deepseek_yarn"):
+        if architecture == "llama" and rope.get("rope_type") in ("yarn", "deepseek_yarn"):
             rope = yarn_rope_for_llama(rope, cfg)
+        # An MLA draft keeps the target's rope as the target's config says it: vLLM builds
+        # both with the same DeepSeek rotary (interleaved, YaRN with mscale).
         rope_scaling = rope if rope and rope.get("rope_type", "default") != "default" else None
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or target_config.get("torch_dtype") \
             or target_config.get("dtype") or "bfloat16"
@@ -168,8 +215,16 @@ class DraftConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             vocab_size=int(cfg["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
             aux_layer_ids=list(aux_layer_ids), torch_dtype=str(dtype).replace("torch.", ""),
-            **DEFAULT_ARCHITECTURE)
+            architecture=architecture, **DEFAULT_FLAGS[architecture])
+        if architecture == "mla":
+            qk_nope, qk_rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+            values.update(num_key_value_heads=heads, head_dim=qk_nope + qk_rope,
+                          q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                          kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=qk_nope,
+                          qk_rope_head_dim=qk_rope, v_head_dim=int(cfg["v_head_dim"]))
         for key, value in (overrides or {}).items():
+            if key == "architecture":
+                continue
             if key not in values and key not in ("hidden_act",) + ARCHITECTURE_FLAGS:
                 raise ValueError(f"draft config override {key!r} is not a draft config field "
                                  f"(known: {sorted(values)})")
@@ -186,17 +241,23 @@ class DraftConfig:
         theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope.pop("rope_theta", None)
         scaling = rope if rope and rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        mla = {}
+        if hf.get("model_type") in ("deepseek_v2", "deepseek_v3") or "kv_lora_rank" in hf:
+            mla = dict(architecture="mla", q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                       qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                       v_head_dim=hf["v_head_dim"])
         return cls(hidden_size=hf["hidden_size"], target_hidden_size=hf.get("target_hidden_size", hf["hidden_size"]),
                    num_attention_heads=hf["num_attention_heads"],
                    num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                   head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                   head_dim=(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] if mla
+                             else hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
                    intermediate_size=hf["intermediate_size"], rms_norm_eps=hf["rms_norm_eps"],
                    rope_theta=theta, rope_scaling=scaling,
                    max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
                    draft_vocab_size=hf.get("draft_vocab_size", hf["vocab_size"]),
                    aux_layer_ids=hf["eagle_aux_hidden_state_layer_ids"],
                    hidden_act=hf.get("hidden_act", "silu"), torch_dtype=hf.get("torch_dtype", "bfloat16"),
-                   **{flag: bool(hf.get(flag, False)) for flag in ARCHITECTURE_FLAGS})
+                   **{flag: bool(hf.get(flag, False)) for flag in ARCHITECTURE_FLAGS + ("fc_norm",)}, **mla)
 
     @classmethod
     def from_speculators_config(cls, hf: dict) -> "DraftConfig":
@@ -204,16 +265,38 @@ class DraftConfig:
         its layer in ``transformer_layer_config``): speculators' own trainer writes these."""
         if hf.get("speculators_model_type") != "eagle3":
             raise ValueError(f"speculators_model_type {hf.get('speculators_model_type')!r}: only eagle3 drafts load")
-        if hf.get("fc_norm"):
-            raise ValueError("a speculators draft with fc_norm (one norm per aux state) is not supported")
         layer = dict(hf["transformer_layer_config"])
         if int(layer.get("num_hidden_layers", 1)) != 1:
             raise ValueError(f"a speculators draft of {layer['num_hidden_layers']} layers: one is supported")
+        # vLLM reads an absent norm_before_residual as true (speculators' default), the rest as false
+        flags = {flag: bool(hf.get(flag, flag == "norm_before_residual")) for flag in ARCHITECTURE_FLAGS + ("fc_norm",)}
         merged = {**layer, "target_hidden_size": hf.get("target_hidden_size") or layer["hidden_size"],
                   "draft_vocab_size": hf["draft_vocab_size"],
-                  "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
-                  **{flag: bool(hf.get(flag, False)) for flag in ARCHITECTURE_FLAGS}}
+                  "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"], **flags}
         return cls.from_hf_config(merged)
+
+    def to_speculators_config(self, verifier: str, verifier_architectures: list[str],
+                              speculative_tokens: int) -> dict:
+        """The same draft as the speculators format's config.json: vLLM loads it natively
+        (``vllm serve <draft>`` finds the verifier in it) and speculators reads it."""
+        if self.architecture != "llama":
+            raise ValueError("the speculators format has no MLA EAGLE-3 draft: export it as eagle3")
+        layer = {k: v for k, v in self.to_hf_config().items()
+                 if k not in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size",
+                              "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states") + ARCHITECTURE_FLAGS
+                 + ("fc_norm",)}
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": "0.9.0", "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            **{flag: bool(getattr(self, flag)) for flag in ARCHITECTURE_FLAGS + ("fc_norm",)},
+            "tie_word_embeddings": False, "torch_dtype": self.torch_dtype, "transformer_layer_config": layer,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}},
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -221,6 +304,15 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
         return cls(**d)
+
+    def _mla_hf_fields(self) -> dict:
+        """What vLLM's Eagle3DeepseekV2ForCausalLM reads besides the common keys. The
+        model_type must be deepseek_v2: vLLM turns a deepseek_v3 draft config into its MTP
+        model. One dense layer, no MoE."""
+        return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim, "head_dim": self.qk_rope_head_dim}
 
     def rope_parameters(self) -> dict:
         """transformers-5 style ``rope_parameters`` (what vLLM's get_rope reads)."""
@@ -257,22 +349,23 @@ class DraftConfig:
             "torch_dtype": self.torch_dtype,
             # This project's convention == vLLM's top-level key (id k = input of layer k).
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            # fc's input is this many target states: vLLM reads the count here (else from
-            # eagle_config, else 3), so any count loads.
-            "num_aux_hidden_states": len(self.aux_layer_ids),
         }
-        for flag in ARCHITECTURE_FLAGS:
+        for flag in ARCHITECTURE_FLAGS + ("fc_norm",):
             if getattr(self, flag):
                 config[flag] = True
+        # vLLM sizes fc from this (else from eagle_config's ids, else 3 aux states).
+        config["num_aux_hidden_states"] = self.num_aux
+        if self.architecture == "mla":
+            config.update(self._mla_hf_fields())
         if self.rope_scaling:
             config["rope_scaling"] = dict(self.rope_scaling)
-        if min(self.aux_layer_ids) >= 1:
-            # SGLang reads eagle_config's ids as "output of layer i" (it captures i+1);
-            # vLLM prefers the top-level key above and uses eagle_config only for the count.
-            config["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": to_layer_outputs(self.aux_layer_ids),
-                "use_aux_hidden_state": True,
-            }
+        # SGLang captures only what eagle_config names (without it, its own default layers,
+        # silently), as "output of layer i" (it captures i+1): id 0, the embeddings, is its
+        # -1 (SGLang 0.5.23 and newer). vLLM prefers the top-level key above.
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": to_layer_outputs(self.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
         return config
 
 
@@ -344,30 +437,80 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention over the midlayer's 2H input, with vLLM's
+    parameter names (deepseek_v2.py): the query through a low-rank ``q_a -> norm -> q_b``
+    (or one ``q_proj``), the key/value through the compressed ``kv_a`` (``kv_lora_rank``
+    latent + one shared ``qk_rope_head_dim`` rotary key), normed and up-projected per head
+    by ``kv_b``. Scores use ``qk_nope + qk_rope`` dims, values ``v_head_dim``."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, two_h = cfg.num_attention_heads, 2 * cfg.hidden_size
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.num_heads = self.num_kv_heads = h
+        self.head_dim = qk
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(two_h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(two_h, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(two_h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+
 class MidLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.architecture == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim/2]`` and the cos/sin scale, as transformers/vLLM derive them."""
+    """Inverse frequencies ``[rotary dims/2]`` and the cos/sin scale, as transformers/vLLM
+    derive them. A Llama draft rotates its whole ``head_dim``; an MLA draft its
+    ``qk_rope_head_dim`` (DeepSeek's YaRN: the cos/sin scale is
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, as in vLLM's
+    DeepseekScalingRotaryEmbedding and HF's yarn init)."""
     params = cfg.rope_parameters()
+    d = cfg.qk_rope_head_dim if cfg.architecture == "mla" else cfg.head_dim
     if params.get("rope_type", "default") == "default":
-        d = cfg.head_dim
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return inv, 1.0
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = LlamaConfig(**{k: v for k, v in cfg.to_hf_config().items()
-                        if k not in ("architectures", "rope_scaling", "rope_theta")})
-    inv, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
+    if cfg.architecture == "mla":
+        rope = {k: v for k, v in params.items()}
+        rope["rope_type"] = "yarn" if rope["rope_type"] in ("yarn", "deepseek_yarn") else rope["rope_type"]
+        hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=d, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=rope)
+    else:
+        hf = LlamaConfig(**{k: v for k, v in cfg.to_hf_config().items()
+                            if k not in ("architectures", "rope_scaling", "rope_theta")})
+    inv, scale = ROPE_INIT_FUNCTIONS[hf.rope_parameters["rope_type"]](hf, torch.device("cpu"))
     return inv.float(), float(scale)
+
+
+def mla_softmax_scale(cfg: DraftConfig) -> float:
+    """``(qk_nope + qk_rope)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under
+    DeepSeek's YaRN (vLLM's DeepseekV2MLAAttention)."""
+    import math
+
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope_scaling or {}
+    if rope.get("rope_type", rope.get("type")) in ("yarn", "deepseek_yarn") and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -376,6 +519,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style rotary (DeepSeek's; vLLM's ``is_neox_style=False``): pairs
+    ``(x[2i], x[2i+1])`` turn by frequency ``i``. ``x [N, heads, d]``, ``cos/sin [N, 1, d]``
+    (each frequency twice, as :meth:`Eagle3Draft.rope` builds them)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    c, s = cos[..., : x.shape[-1] // 2], sin[..., : x.shape[-1] // 2]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
 
 
 def host_to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
@@ -475,6 +627,32 @@ def post_attention(hidden: torch.Tensor, attn_out: torch.Tensor, w_o: torch.Tens
     return h_out, rms_normalize(h_out, eps) * w_final_norm
 
 
+def mla_pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w: dict[str, torch.Tensor],
+                      cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: int, qk_nope: int,
+                      qk_rope: int, v_dim: int, kv_lora: int):
+    """The MLA midlayer up to attention: ``q, k [N, h, qk_nope+qk_rope]``, ``v [N, h, v_dim]``.
+
+    ``x = cat[input_layernorm(e), hidden_norm(h)]``; the query ``q_b(norm(q_a x))`` (or
+    ``q_proj x``), its last ``qk_rope`` dims rotated; ``kv_a x`` = the ``kv_lora`` latent
+    (normed, then up-projected by ``kv_b`` into each head's no-rope key part and value)
+    and one rotated rope key shared by every head.
+    """
+    n = hidden.shape[0]
+    x = torch.cat([rms_normalize(embeds, eps) * w["input_norm"], rms_normalize(hidden, eps) * w["hidden_norm"]], -1)
+    if "q_b" in w:
+        q = F.linear(rms_normalize(F.linear(x, w["q_a"]), eps) * w["q_a_norm"], w["q_b"])
+    else:
+        q = F.linear(x, w["q"])
+    q = q.view(n, heads, qk_nope + qk_rope)
+    q = torch.cat([q[..., :qk_nope], apply_rope_interleaved(q[..., qk_nope:], cos, sin)], -1)
+    kv_a = F.linear(x, w["kv_a"])
+    latent = rms_normalize(kv_a[:, :kv_lora], eps) * w["kv_a_norm"]
+    k_rope = apply_rope_interleaved(kv_a[:, kv_lora:].view(n, 1, qk_rope), cos, sin)
+    kv = F.linear(latent, w["kv_b"]).view(n, heads, qk_nope + v_dim)
+    k = torch.cat([kv[..., :qk_nope], k_rope.expand(n, heads, qk_rope)], -1)
+    return q, k, kv[..., qk_nope:]
+
+
 _COMPILED: dict[str, object] = {}
 
 
@@ -506,6 +684,9 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)     # the target's, frozen, not exported
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                          for _ in range(cfg.num_aux)])
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -514,6 +695,8 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scale = (mla_softmax_scale(cfg) if cfg.architecture == "mla"
+                                else cfg.head_dim ** -0.5)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -534,20 +717,44 @@ class Eagle3Draft(nn.Module):
         return cos, sin
 
     def step_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The midlayer's weights in ``dtype``, stacked/folded for :func:`pre_attention` and
-        :func:`post_attention`; built once per forward (differentiable w.r.t. the parameters)."""
+        """The midlayer's weights in ``dtype``, stacked/folded for :func:`pre_attention` (or
+        :func:`mla_pre_attention`) and :func:`post_attention`; built once per forward
+        (differentiable w.r.t. the parameters)."""
         layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
         hid = self.config.hidden_size
-        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
-        return {
-            "w_embed": w_qkv[:, :hid] * layer.input_layernorm.weight.to(dtype),
-            "w_hidden": w_qkv[:, hid:] * layer.hidden_norm.weight.to(dtype),
+        weights = {
             "w_o": attn.o_proj.weight.to(dtype),
             "w_post_norm": layer.post_attention_layernorm.weight.to(dtype),
             "w_gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
             "w_down": mlp.down_proj.weight.to(dtype),
             "w_final_norm": self.norm.weight.to(dtype),
         }
+        if self.config.architecture == "mla":
+            mla = {"input_norm": layer.input_layernorm.weight, "hidden_norm": layer.hidden_norm.weight,
+                   "kv_a": attn.kv_a_proj_with_mqa.weight, "kv_a_norm": attn.kv_a_layernorm.weight,
+                   "kv_b": attn.kv_b_proj.weight}
+            if self.config.q_lora_rank:
+                mla.update(q_a=attn.q_a_proj.weight, q_a_norm=attn.q_a_layernorm.weight, q_b=attn.q_b_proj.weight)
+            else:
+                mla["q"] = attn.q_proj.weight
+            weights["mla"] = {k: v.to(dtype) for k, v in mla.items()}
+            return weights
+        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
+        weights.update(w_embed=w_qkv[:, :hid] * layer.input_layernorm.weight.to(dtype),
+                       w_hidden=w_qkv[:, hid:] * layer.hidden_norm.weight.to(dtype))
+        return weights
+
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """``aux [N, A*Ht]`` as fc reads it: normed as a whole (norm_before_fc), per aux
+        state (fc_norm), or as it is."""
+        cfg = self.config
+        if cfg.norm_before_fc:
+            return rms_normalize(aux, cfg.rms_norm_eps) * self.input_norm.weight.to(aux.dtype)
+        if cfg.fc_norm:
+            chunks = aux.view(aux.shape[0], cfg.num_aux, -1)
+            weights = torch.stack([norm.weight for norm in self.fc_norm]).to(aux.dtype)
+            return (rms_normalize(chunks, cfg.rms_norm_eps) * weights).view_as(aux)
+        return aux
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_out))
@@ -580,17 +787,21 @@ class Eagle3Draft(nn.Module):
         layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
         n = input_ids.shape[0]
         cfg, attn = self.config, self.midlayer.self_attn
-        scale = attn.head_dim ** -0.5
+        scale = self.attention_scale
         dtype = compute_dtype(aux.device, self.fc.weight.dtype)
         weights = self.step_weights(dtype)
         compile_steps = getattr(self, "compile_steps", None)
         if compile_steps is None:
             compile_steps = aux.is_cuda
         pre, post = compiled_step_parts() if compile_steps else (pre_attention, post_attention)
-        aux = aux.to(dtype)
-        if cfg.norm_before_fc:
-            aux = rms_normalize(aux, cfg.rms_norm_eps) * self.input_norm.weight.to(dtype)
-        hidden = F.linear(aux, self.fc.weight.to(dtype))
+        if cfg.architecture == "mla":
+            mla = weights["mla"]
+
+            def pre(embeds, hidden, _w_embed, _w_hidden, cos, sin, eps, *_heads):
+                return mla_pre_attention(embeds, hidden, mla, cos, sin, eps, cfg.num_attention_heads,
+                                         cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                         cfg.kv_lora_rank)
+        hidden = F.linear(self.fc_input(aux.to(dtype)), self.fc.weight.to(dtype))
         hidden_norm = self.midlayer.hidden_norm.weight.to(dtype)
         rows = torch.arange(n, device=input_ids.device)
         k0 = v0 = None
@@ -605,18 +816,18 @@ class Eagle3Draft(nn.Module):
                 ok = layout.positions + j + 1 < layout.lengths
                 tokens = torch.where(ok, input_ids[src.clamp(max=n - 1)], torch.zeros_like(input_ids))
             cos, sin = self.rope(layout.positions + j, dtype)
-            q, k, v = pre(self.embed_tokens(tokens).to(dtype), hidden, weights["w_embed"],
-                          weights["w_hidden"], cos, sin, cfg.rms_norm_eps, attn.num_heads,
+            q, k, v = pre(self.embed_tokens(tokens).to(dtype), hidden, weights.get("w_embed"),
+                          weights.get("w_hidden"), cos, sin, cfg.rms_norm_eps, attn.num_heads,
                           attn.num_kv_heads, attn.head_dim)
             if j == 0:
                 k0, v0 = layout.to_padded(k), layout.to_padded(v)
             else:
                 tail_k.append(layout.to_padded(k))
                 tail_v.append(layout.to_padded(v))
-            empty = k0.new_zeros((0,) + tuple(k0.shape))
             out = cache_tail_attention(layout.to_padded(q), k0, v0,
-                                       torch.stack(tail_k) if tail_k else empty,
-                                       torch.stack(tail_v) if tail_v else empty, scale)
+                                       torch.stack(tail_k) if tail_k else k0.new_zeros((0,) + tuple(k0.shape)),
+                                       torch.stack(tail_v) if tail_v else v0.new_zeros((0,) + tuple(v0.shape)),
+                                       scale)
             residual = rms_normalize(hidden, cfg.rms_norm_eps) * hidden_norm if cfg.norm_before_residual else hidden
             h_out, final = post(residual, layout.from_padded(out).reshape(n, -1), weights["w_o"],
                                 weights["w_post_norm"], weights["w_gate_up"], weights["w_down"],

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle3flow.atomic import replacing
 from eagle3flow.embedded_corpus import build_corpus, read_conversations
 from eagle3flow.embedded_tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
 from eagle3flow.progress import Progress
@@ -50,7 +51,7 @@ class TargetShape:
 
 @dataclass(frozen=True)
 class TrainOptions:
-    steps: int = 300
+    steps: int = 1600
     seed: int = 0
     max_conversations: int = 4000
     block_size: int = 256       # packed tokens per row
@@ -122,9 +123,8 @@ def lr_at(step: int, options: TrainOptions) -> float:
 def _save_atomic(obj, path: Path) -> None:
     import torch
 
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def train_model(config, blocks, options: TrainOptions, work_dir: Path):

@@ -1,9 +1,15 @@
 """The demo chat dataset: Python stdlib docstrings turned into Q/A conversations.
 
 Every machine with Python has this text, so the embedded default needs no download.
-A conversation asks what a stdlib function/class/method does and answers with the
-first paragraph of its docstring; a stable fraction get a second turn (its signature,
-or its module) so multi-turn conversations exist, and some open with a system prompt.
+A conversation asks what a stdlib function/class/method does, with its documentation
+(signature and the first paragraph of its docstring) quoted in the question, and the
+answer explains it from that documentation; a stable fraction get a second turn (its
+signature, or its module) so multi-turn conversations exist, and some open with a
+system prompt. The answer is grounded in the prompt on purpose: a model of a few
+million parameters trained for a minute cannot know what an unseen function does, but
+it can learn to read it from the question, so its greedy answers to held-out prompts
+are as varied and as long as real answers, and a draft has something real to predict
+at every position.
 
 Determinism: modules come from a fixed sorted list, members in sorted name order,
 and every "random" choice is a hash of the conversation id, so two builds with the
@@ -15,12 +21,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import json
-import os
 import re
 import warnings
 from pathlib import Path
 
+from eagle3flow.atomic import write_jsonl
 from eagle3flow.jsonl import iter_jsonl
 
 # Pure-Python or always-built modules present on every CPython >= 3.10 on Linux/macOS.
@@ -83,12 +88,15 @@ MODULE_QUESTION_TEMPLATES = (
     "What does the `{name}` module provide?",
     "Explain the Python module `{name}`.",
 )
+ANSWER_LEADS = ("`{name}`: ", "According to its documentation, `{name}`: ", "In short, `{name}`: ")
 SIGNATURE_QUESTION = "What is its signature?"
 MODULE_QUESTION = "Which module is it in?"
 
 MIN_ANSWER_CHARS = 20
+MIN_DOCUMENTATION_CHARS = 200  # shorter first paragraphs are followed by the next ones
 MAX_DOCSTRING_CHARS = 6000   # longer docstrings are manuals, not answers: skip them
-MAX_ANSWER_CHARS = 900       # ~300 tokens of the embedded tokenizer at worst (code-heavy text)
+MAX_ANSWER_CHARS = 450       # ~150 tokens of the embedded tokenizer at worst (code-heavy text),
+                             # so the quoted documentation and the answer fit dataset.max_length
 MAX_SIGNATURE_CHARS = 300
 _SIGNATURE_LINE = re.compile(r"^[\w.]+\(.*\)(\s*->\s*.+)?$")
 
@@ -99,18 +107,39 @@ def stable_fraction(key: str, salt: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def first_paragraph(doc: str) -> str:
-    """The first prose paragraph of a cleaned docstring, lines joined, or ''.
+def prose_paragraphs(doc: str) -> list[str]:
+    """The prose paragraphs of a cleaned docstring, lines joined.
 
     C builtins often start with a signature line (``dumps(obj, ...) -> bytes``):
-    that paragraph is skipped so the answer is prose.
+    such paragraphs are skipped so the answer is prose.
     """
+    paragraphs = []
     for paragraph in re.split(r"\n\s*\n", doc.strip()):
         lines = [line.strip() for line in paragraph.strip().splitlines()]
-        if not lines or all(_SIGNATURE_LINE.match(line) for line in lines):
-            continue
-        return " ".join(lines)
-    return ""
+        if lines and not all(_SIGNATURE_LINE.match(line) for line in lines):
+            paragraphs.append(" ".join(lines))
+    return paragraphs
+
+
+def first_paragraph(doc: str) -> str:
+    """The first prose paragraph of a cleaned docstring, or ''."""
+    paragraphs = prose_paragraphs(doc)
+    return paragraphs[0] if paragraphs else ""
+
+
+def leading_paragraphs(doc: str, min_chars: int = MIN_DOCUMENTATION_CHARS,
+                       max_chars: int = MAX_ANSWER_CHARS) -> str:
+    """The first prose paragraph, followed by the next ones while it is shorter than
+    ``min_chars`` and they fit in ``max_chars`` (one-line docstrings make short answers)."""
+    paragraphs = prose_paragraphs(doc)
+    if not paragraphs:
+        return ""
+    text = paragraphs[0]
+    for paragraph in paragraphs[1:]:
+        if len(text) >= min_chars or len(text) + 1 + len(paragraph) > max_chars:
+            break
+        text = f"{text} {paragraph}"
+    return text
 
 
 def cap_answer(text: str, max_chars: int = MAX_ANSWER_CHARS) -> str:
@@ -196,10 +225,16 @@ def make_conversation(qualified_name: str, module_name: str, obj, answer: str) -
     messages = []
     if stable_fraction(conv_id, "system") < 0.15:
         messages.append({"role": "system", "content": SYSTEM_PROMPT})
-    messages.append({"role": "user", "content": template.format(name=display_name)})
-    messages.append({"role": "assistant", "content": answer})
+    signature = _signature_text(display_name, obj)
+    header = signature or f"`{display_name}`"
+    question = template.format(name=display_name)
+    messages.append({"role": "user", "content": f"{question}\n\nDocumentation of {header}:\n{answer}"})
+    lead = ANSWER_LEADS[int(stable_fraction(conv_id, "lead") * len(ANSWER_LEADS))]
+    called = f" It is called as {signature}." if signature else ""
+    messages.append({"role": "assistant", "content": lead.format(name=display_name) + answer + called})
     second = stable_fraction(conv_id, "second_turn")
-    signature = _signature_text(display_name, obj) if second < 0.3 else None
+    if second >= 0.3:
+        signature = None
     if signature is not None:
         messages.append({"role": "user", "content": SIGNATURE_QUESTION})
         messages.append({"role": "assistant", "content": f"Its signature is {signature}."})
@@ -230,7 +265,7 @@ def collect_conversations(max_conversations: int | None = 4000,
         if len(doc) > MAX_DOCSTRING_CHARS:
             skipped["huge_doc"] += 1
             continue
-        answer = first_paragraph(doc)
+        answer = leading_paragraphs(doc)
         if len(answer) < MIN_ANSWER_CHARS:
             skipped["no_prose"] += 1
             continue
@@ -259,11 +294,7 @@ def write_conversations(conversations: list[dict], path: Path) -> None:
     """Write JSONL atomically (temp name, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for conv in conversations:
-            f.write(json.dumps(conv, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_jsonl(path, conversations, sort_keys=True)
 
 
 def build_corpus(out_path: Path, max_conversations: int | None = 4000) -> dict:

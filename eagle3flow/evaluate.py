@@ -35,30 +35,14 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3flow.config import schema_defaults
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
-from eagle3flow.shards import atomic_write_json
+from eagle3flow.atomic import write_json
 from eagle3flow.vllm_runner import run_vllm
 
-EVAL_DEFAULTS = {
-    "num_speculative_tokens": 3,   # K: draft tokens per round in vLLM and the replay
-    "max_tokens": 64,              # greedy output tokens per prompt
-    "num_prompts": 32,             # first N of eval_prompts.jsonl (None: all)
-    "device": "auto",              # auto | cpu | cuda: vLLM platform and HF replay device
-    "dtype": "auto",               # auto: float32 on CPU, bfloat16 on CUDA (vLLM and HF alike)
-    "max_model_len": None,         # None: longest prompt + max_tokens + K + 8
-    "tensor_parallel_size": 1,
-    "vllm_python": None,           # Python with vLLM (None: this one)
-    "ignore_eos": False,           # True: every prompt generates exactly max_tokens
-    "eval_split_max_tokens": None, # cap on eval-split tokens for step accuracy (None: all)
-    "agreement_tolerance": 0.15,   # |simulated / vLLM - 1| allowed before flagging
-    "draft_name": "draft",         # the evaluated draft's name in tables and plots
-    "prompt_sets": {},             # {name: jsonl} evaluated besides the eval split
-    "prompt_set_num_prompts": None,  # first N rows of each named set (None: all)
-    "compare_drafts": {},          # {name: exported draft dir} evaluated side by side
-    "replay_max_k": None,          # replayed acceptance for K = 1..this (None: K)
-    "vllm_sweep_k": [],            # more Ks served by vLLM with the draft (one engine each)
-}
+# The config's `evaluate` section with its defaults (schemas/config.schema.yaml).
+EVAL_DEFAULTS = schema_defaults("evaluate")
 # Bump when the replay's meaning changes, so cached per-prompt replays are not reused.
 REPLAY_VERSION = 2
 
@@ -174,7 +158,7 @@ def _cached_vllm_run(name: str, request: dict, out_dir: Path, python: str | None
     t0 = time.monotonic()
     result = run_vllm(request, out, python=python, log_path=out_dir / f"{name}.log")
     result["request_fingerprint"] = key
-    atomic_write_json(out, result)
+    write_json(out, result)
     print(f"evaluate: vLLM {name} done in {time.monotonic() - t0:.0f}s "
           f"({result['output_tokens_per_s']:.1f} output tokens/s)", file=sys.stderr, flush=True)
     return result
@@ -458,14 +442,14 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
              max_tokens: int = EVAL_DEFAULTS["max_tokens"],
              num_prompts: int | None = EVAL_DEFAULTS["num_prompts"],
              device: str = EVAL_DEFAULTS["device"], dtype: str = EVAL_DEFAULTS["dtype"],
-             max_model_len: int | None = None, tensor_parallel_size: int = 1,
+             max_model_len: int | None = None, tensor_parallel_size: int | None = None,
              vllm_python: str | None = None, ignore_eos: bool = False,
              eval_split_max_tokens: int | None = None,
              agreement_tolerance: float = EVAL_DEFAULTS["agreement_tolerance"],
              draft_name: str = EVAL_DEFAULTS["draft_name"],
              prompt_sets: dict | None = None, prompt_set_num_prompts: int | None = None,
              compare_drafts: dict | None = None, replay_max_k: int | None = None,
-             vllm_sweep_k: list | None = None) -> dict:
+             vllm_sweep_k: list | None = None, optional_prompt_sets: dict | None = None) -> dict:
     """Run the whole evaluation and write ``out_json`` (summary); returns the summary dict.
 
     Prompt sets: ``eval`` (the held-out prompts, first ``num_prompts``) plus
@@ -500,7 +484,10 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
                              f"{draft_name!r}); pick another")
         drafts[name] = Path(path)
     draft_configs = {name: _read_draft_config(path) for name, path in drafts.items()}
-    extra_sets = dict(prompt_sets or {})
+    # Optional sets whose file is there (MT-bench beside a checkout), then the required ones.
+    extra_sets = {**{name: path for name, path in (optional_prompt_sets or {}).items() if Path(path).is_file()},
+                  **(prompt_sets or {})}
+    tensor_parallel_size = int(tensor_parallel_size or 1)
     if "eval" in extra_sets:
         raise ValueError("prompt_sets: 'eval' is the held-out split's name; pick another")
     out_dir = out_json.parent
@@ -635,7 +622,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "per_prompt": main["per_prompt"],
         "elapsed_s": time.monotonic() - t_start,
     }
-    atomic_write_json(out_json, summary)
+    write_json(out_json, summary)
     print(format_summary(summary), file=sys.stderr, flush=True)
     return summary
 

@@ -1,4 +1,5 @@
-"""Export the trained draft as the EAGLE-3 checkpoint vLLM and SGLang load as-is.
+"""Export the trained draft as the EAGLE-3 checkpoint vLLM and SGLang load as-is
+(``export.formats``: also in the speculators format, which vLLM loads natively).
 
 ``out_dir/config.json``: a one-layer ``LlamaForCausalLMEagle3`` config (see
 :meth:`DraftConfig.to_hf_config`). ``out_dir/model.safetensors``: ``midlayer.*``,
@@ -13,20 +14,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.draft_model import DraftConfig, exported_param_names
-from eagle3flow.shards import atomic_write_json
-from eagle3flow.target_weights import target_dtype
+from eagle3flow.sglang_contract import sglang_problems
+from eagle3flow.atomic import write_json
+from eagle3flow.target_weights import load_target_config, target_dtype
 from eagle3flow.train import load_vocab_map
 
 
+FORMATS = ("eagle3", "speculators")
+
+
 def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str | Path,
-                 out_dir: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir``; returns ``out_dir``."""
+                 out_dir: str | Path, fmt: str = "eagle3", speculative_tokens: int = 3) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` in format ``fmt``
+    (``eagle3``: the EAGLE-3 layout vLLM and SGLang load; ``speculators``: the speculators
+    format, with the verifier's path and ``speculative_tokens`` for ``vllm serve <draft>``);
+    returns ``out_dir``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export format {fmt!r} is not one of {FORMATS}")
     train_dir, out_dir = Path(train_dir), Path(out_dir)
     with open(train_dir / "draft_config.json") as f:
         cfg = DraftConfig.from_dict(json.load(f))
@@ -45,11 +56,21 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
     if cfg.draft_vocab_size != cfg.vocab_size:
         tensors["d2t"] = d2t.contiguous()
         tensors["t2d"] = t2d.contiguous()
+    if fmt == "speculators":
+        target_config = json.loads((Path(target_path) / "config.json").read_text())
+        config = cfg.to_speculators_config(str(Path(target_path).resolve()),
+                                           target_config.get("architectures") or [], speculative_tokens)
+        tensors = {name.replace("midlayer.", "layers.0.", 1): t for name, t in tensors.items()}
+    else:
+        config = cfg.to_hf_config()
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")
-    atomic_write_json(out_dir / "config.json", cfg.to_hf_config())
+    write_json(out_dir / "config.json", config)
+    if fmt == "eagle3":
+        for problem in sglang_problems(config, set(tensors), load_target_config(target_path)):
+            print(f"export: SGLang would not serve {out_dir} as trained: {problem}", file=sys.stderr)
     return out_dir
 
 
@@ -59,9 +80,14 @@ def main(argv=None) -> None:
     parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + draft_config.json")
     parser.add_argument("--vocab-map", required=True)
     parser.add_argument("--target", required=True, help="target model dir (its dtype decides the export dtype)")
-    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--out-dir", action="append", required=True, metavar="[FORMAT=]DIR",
+                        help=f"where a format goes ({', '.join(FORMATS)}; eagle3 when no FORMAT=); repeat")
+    parser.add_argument("--speculative-tokens", type=int, default=3,
+                        help="speculators format: K that `vllm serve <draft>` uses")
     args = parser.parse_args(argv)
-    export_draft(args.train_dir, args.vocab_map, args.target, args.out_dir)
+    for item in args.out_dir:
+        fmt, _, path = item.rpartition("=")
+        export_draft(args.train_dir, args.vocab_map, args.target, path, fmt or "eagle3", args.speculative_tokens)
 
 
 if __name__ == "__main__":

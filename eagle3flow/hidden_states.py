@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3flow import shards
+from eagle3flow.atomic import write_json
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 
@@ -195,7 +196,7 @@ def target_weights_fingerprint(target_path: Path, cache_root: Path) -> list[list
         with ThreadPoolExecutor(max_workers=min(FINGERPRINT_THREADS, len(todo))) as pool:
             for p, fp in zip(todo, pool.map(weight_file_fingerprint, todo)):
                 memo[str(p.resolve())] = {"stamp": stamps[p], **fp}
-        shards.atomic_write_json(memo_file, memo)
+        write_json(memo_file, memo)
     out = []
     for p in files:
         m = memo[str(p.resolve())]
@@ -223,7 +224,7 @@ def cached_sha256(path: Path, cache_root: Path) -> str:
         return hit["sha256"]
     digest = shards.sha256_file(path)
     memo[key] = {"stamp": stamp, "sha256": digest}
-    shards.atomic_write_json(memo_file, memo)
+    write_json(memo_file, memo)
     return digest
 
 
@@ -446,7 +447,7 @@ def cached_entry(shard_path: Path, plan: ShardPlan) -> dict | None:
     if entry["num_samples"] != plan.num_samples or entry["num_tokens"] != plan.num_tokens:
         return None
     if not recorded:
-        shards.atomic_write_json(_entry_file(shard_path), entry)
+        write_json(_entry_file(shard_path), entry)
     return entry
 
 
@@ -518,7 +519,7 @@ class Extraction:
     def write_manifest(self) -> dict:
         """Write the manifest (last: it is the rule's declared output) and return it."""
         manifest = self.manifest()
-        shards.atomic_write_json(self.manifest_out, manifest)
+        write_json(self.manifest_out, manifest)
         log(f"{self.tag}: wrote {self.manifest_out}")
         return manifest
 
@@ -581,7 +582,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     key = fingerprint(inputs)
     shard_dir = cache_root / key
     shard_dir.mkdir(parents=True, exist_ok=True)
-    shards.atomic_write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
+    write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
     # Checksums of finished shards, several at once (a rerun re-reads every finished shard).
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         found = pool.map(lambda p: cached_entry(shard_dir / shards.shard_name(p.index), p), plan)
@@ -823,7 +824,7 @@ class HFPipeline:
         entry["sha256"] = shards.sha256_file(path)
         # Recorded beside the shard so a resumed run can check the file's bytes, not just its
         # shape (a shard killed before this line gets its entry from the file on resume).
-        shards.atomic_write_json(_entry_file(path), entry)
+        write_json(_entry_file(path), entry)
         self.x.entries[plan.index] = entry
         self._mark("hashed", plan.index)
 

@@ -9,9 +9,9 @@ else from an estimate of the raw dataset, and from the target's config.json:
 
 * hidden states: ``tokens x ((A+1) x H x dtype_bytes + 5)`` (A aux layers + the last
   layer, plus int32 input_ids and uint8 loss_mask) for both splits;
-* training cache: ``(keep_checkpoints + 1) x draft_params x 12`` bytes (fp32 weights +
-  two Adam moments; one more checkpoint exists for a moment before the oldest is
-  deleted), plus ``draft_params x 4`` for ``results/train``;
+* training cache: ``(keep_checkpoints + 1)`` checkpoints of fp32 weights and the
+  optimizer state (12 B/param under AdamW; 8 B/param for the matrices Muon steps; one
+  more checkpoint exists for a moment before the oldest is deleted), plus ``draft_params x 4`` for ``results/train``;
 * export: ``draft_params x dtype_bytes`` plus the vocab map.
 
 A stage whose files already exist counts with their measured size. The projected peak
@@ -50,6 +50,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
+
 # `python -m eagle3flow.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
 
@@ -81,7 +83,8 @@ FP8_SCALE_BYTES = 4
 # Per token besides the hidden states: int32 input_ids + uint8 loss_mask.
 TOKEN_OVERHEAD_BYTES = 5
 # fp32 weights + AdamW's exp_avg and exp_avg_sq, per trainable parameter.
-CHECKPOINT_BYTES_PER_PARAM = 12
+CHECKPOINT_BYTES_PER_PARAM = 12         # fp32 weight + two AdamW moments
+MUON_CHECKPOINT_BYTES_PER_PARAM = 8     # fp32 weight + Muon's momentum
 
 # Measured on the embedded default (2 cores): the stdlib-docstring corpus gives about
 # 59.4 tokens per requested conversation (237,744 for 4,000), its JSONL ~5.3 bytes per
@@ -521,14 +524,36 @@ def draft_shape(target: dict, overrides: dict) -> dict:
 
 
 def draft_trainable_params(target: dict, aux: int, draft_vocab: int, overrides: dict) -> int:
-    """Trainable parameters of the EAGLE-3 draft (Eagle3Draft minus the frozen embeddings):
-    fc ``[H, A*Ht]``, one decoder layer whose attention reads ``2H``, four RMSNorms, lm_head ``[Vd, H]``."""
+    """Trainable parameters of the EAGLE-3 draft (Eagle3Draft minus the frozen embeddings)."""
+    return sum(draft_param_counts(target, aux, draft_vocab, overrides).values())
+
+
+def draft_param_counts(target: dict, aux: int, draft_vocab: int, overrides: dict) -> dict:
+    """The draft's trainable parameters as the optimizers split them (optim.uses_muon):
+    ``matrices``: fc ``[H, A*Ht]`` and the decoder layer's projections (its attention reads
+    ``2H``); ``rest``: lm_head ``[Vd, H]``, four RMSNorms ``[H]`` and the aux states'
+    RMSNorm ``[A*Ht]`` where the draft has one."""
     d = draft_shape(target, overrides)
     h, hd = d["hidden_size"], d["head_dim"]
     q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
     attention = 2 * h * q + 2 * (2 * h * kv) + q * h
     mlp = 3 * h * d["intermediate_size"]
-    return aux * int(target["hidden_size"]) * h + attention + mlp + 4 * h + h * draft_vocab
+    aux_width = aux * int(target["hidden_size"])
+    overrides = overrides or {}
+    architecture = overrides.get("architecture", "auto")
+    is_mla_draft = architecture == "mla" or (architecture == "auto" and "kv_lora_rank" in target)
+    # draft_model.DEFAULT_FLAGS: a Llama draft has norm_before_fc, an MLA draft has not
+    aux_norms = aux_width * (int(bool(overrides.get("norm_before_fc", not is_mla_draft)))
+                             + int(bool(overrides.get("fc_norm", False))))
+    return {"matrices": aux_width * h + attention + mlp, "rest": aux_norms + 4 * h + h * draft_vocab}
+
+
+def draft_checkpoint_bytes(counts: dict, optimizer: str) -> int:
+    """A training checkpoint: fp32 weights and the optimizer state, i.e. two AdamW
+    moments, or Muon's one momentum for the matrices it steps (optim.build_optimizers)."""
+    if optimizer == "muon":
+        return counts["matrices"] * MUON_CHECKPOINT_BYTES_PER_PARAM + counts["rest"] * CHECKPOINT_BYTES_PER_PARAM
+    return sum(counts.values()) * CHECKPOINT_BYTES_PER_PARAM
 
 
 def target_params(target: dict) -> tuple[int, int]:
@@ -675,14 +700,6 @@ def record_throughputs(config: dict, root: Path) -> None:
     write_json(path, data)
 
 
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------- projection
 
 def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
@@ -704,7 +721,9 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     samples = work["train_samples"] + work["eval_samples"]
     draft_vocab = min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"]))
     train_cfg = config["train"]
-    draft_params = draft_trainable_params(target, aux, draft_vocab, train_cfg.get("draft", {}))
+    draft_counts = draft_param_counts(target, aux, draft_vocab, train_cfg.get("draft", {}))
+    draft_params = sum(draft_counts.values())
+    checkpoint = draft_checkpoint_bytes(draft_counts, train_cfg["optimizer"])
     total_params, active_params = target_params(target)
     target_dtype = str(target.get("torch_dtype") or target.get("dtype") or "bfloat16").replace("torch.", "")
     export_bytes_per_param = 4 if target_dtype == "float32" else 2
@@ -773,13 +792,13 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
     keep = int(train_cfg.get("keep_checkpoints", 2))
-    checkpoint = draft_params * CHECKPOINT_BYTES_PER_PARAM
     train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
     steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
     metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
     r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
     proj["train"] = ((keep + 1) * checkpoint + draft_params * 4 + metrics_bytes,
-                     f"{draft_params / 1e6:.2f}M draft params x 12 B x ({keep}+1) checkpoints + weights",
+                     f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
+                     f"({train_cfg['optimizer']}) x ({keep}+1) checkpoints + weights",
                      train_tokens / r, f"{r:,.0f} tokens/s, {rb}")
     proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
                       f"draft in {'float32' if export_bytes_per_param == 4 else 'bfloat16'}",
@@ -830,7 +849,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         peak = other + sum(r.bytes for r in rows)
         plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
                     {**work, "target": target_basis, "draft_params": draft_params,
-                     "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
+                     "checkpoint_bytes": int(checkpoint), "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
                      "aux_layers": aux, "hidden_size": hidden,
                      "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
         plan.refusal = budget_refusal(plan, config, root)
@@ -877,7 +896,7 @@ def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, 
     full_bytes = proj["extract"][0]
     # The previous link's final checkpoint and outputs (fp32 weights) stay until the next
     # link is consumed.
-    previous_link = (CHECKPOINT_BYTES_PER_PARAM + 4) * w["draft_params"]
+    previous_link = w["checkpoint_bytes"] + 4 * w["draft_params"]
     if pinned is not None:
         chain = streaming.Chain(pinned.partitions, pinned.epochs, pinned.in_flight, part_bytes)
     else:

@@ -23,9 +23,10 @@ fails the stage at once. ``--serve-target DIR`` (the embedded default, which has
 production server) starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 for the
 duration of the run and stops it after.
 
-Politeness: at most ``max_concurrency`` conversations in flight; 429, 5xx, timeouts
-and dropped connections are retried ``max_retries`` times with exponential backoff
-and jitter (``Retry-After`` honoured); any other 4xx fails that prompt at once.
+Politeness: at most ``max_concurrency`` conversations in flight over as many pooled
+keep-alive connections (httpx); 429, 5xx, timeouts and dropped connections are retried
+``max_retries`` times with exponential backoff and jitter (``Retry-After`` honoured);
+any other 4xx fails that prompt at once.
 
 Resume: each finished conversation is appended (one JSON line, flushed) to
 ``<cache>/<fingerprint>/responses.jsonl``, keyed by sample id and a hash of its
@@ -69,29 +70,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
+from eagle3flow.config import schema_defaults
 from eagle3flow.progress import Progress
 
-DEFAULTS = {
-    "enabled": False,
-    "base_url": None,
-    "model": None,
-    "api_key_env": "EAGLE3FLOW_REGENERATE_API_KEY",
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_tokens": 2048,
-    "seed": 0,
-    "reasoning": "auto",
-    "extra_body": {},
-    "max_concurrency": 16,
-    "max_retries": 6,
-    "backoff_s": 1.0,
-    "max_backoff_s": 60.0,
-    "request_timeout_s": 600.0,
-    "max_failed_fraction": 0.01,
-    "serve_max_model_len": 2048,
-    "serve_startup_timeout_s": 600.0,
-    "compare_original_answers": False,
-}
+# The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
+DEFAULTS = schema_defaults("regenerate")
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")
@@ -132,44 +116,50 @@ def redact_url(url: str) -> str:
 # ---------------------------------------------------------------- HTTP
 
 class ChatClient:
-    """Plain urllib client of an OpenAI-compatible server. Thread-safe (no shared state
-    but counters under a lock)."""
+    """An OpenAI-compatible server through one pooled ``httpx`` client (keep-alive
+    connections, up to ``max_connections`` at once, the timeout on every request).
+    Thread-safe. Status codes, timeouts and dropped connections are mapped to Transient
+    (retried by :func:`call_with_retries`, whose policy and counts are this stage's) or
+    PromptFailed (any other 4xx)."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout: float):
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_connections: int = 16):
+        import httpx
+
         base = base_url.rstrip("/")
         self.base = base[:-3] if base.endswith("/v1") else base
-        self.api_key, self.timeout = api_key, timeout
+        self.timeout = timeout
+        headers = {"Accept": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections))
         self._lock = threading.Lock()
         self.requests = 0
 
     def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        """The JSON answer; raises Transient, PromptFailed (other 4xx) or URLError."""
-        headers = {"Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers=headers)
+        """The JSON answer; raises Transient or PromptFailed (other 4xx)."""
+        import httpx
+
         with self._lock:
             self.requests += 1
+        seconds = timeout or self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            detail = error.read()[:300].decode(errors="replace").strip()
-            reason = f"HTTP {error.code} from {path}: {detail}" if detail else f"HTTP {error.code} from {path}"
-            if error.code in RETRYABLE_STATUS:
-                raise Transient(reason, _retry_after(error.headers.get("Retry-After"))) from None
-            raise PromptFailed(reason) from None
-        except (TimeoutError, socket.timeout) as error:
-            raise Transient(f"timeout after {timeout or self.timeout:.0f}s on {path}") from error
-        except (ConnectionError, urllib.error.URLError) as error:
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise Transient(f"timeout after {timeout or self.timeout:.0f}s on {path}") from error
-            raise Transient(f"connection failed on {path}: {reason}") from error
+            response = (self._http.post(path, json=body, timeout=seconds) if body is not None
+                        else self._http.get(path, timeout=seconds))
+        except httpx.TimeoutException as error:
+            raise Transient(f"timeout after {seconds:.0f}s on {path}") from error
+        except httpx.TransportError as error:
+            raise Transient(f"connection failed on {path}: {error}") from error
+        if response.status_code >= 400:
+            detail = response.text[:300].strip()
+            reason = (f"HTTP {response.status_code} from {path}: {detail}" if detail
+                      else f"HTTP {response.status_code} from {path}")
+            if response.status_code in RETRYABLE_STATUS:
+                raise Transient(reason, _retry_after(response.headers.get("Retry-After")))
+            raise PromptFailed(reason)
+        try:
+            return response.json()
         except ValueError as error:  # a 200 whose body is not JSON
             raise Transient(f"invalid JSON from {path}: {error}") from error
 
@@ -178,6 +168,9 @@ class ChatClient:
 
     def chat(self, body: dict) -> dict:
         return self._request("/v1/chat/completions", body)
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -229,14 +222,36 @@ def request_seed(seed: int, sample_id: str, turn: int) -> int:
 
 
 def assistant_message(message: dict, form: str) -> dict:
-    """The server's message as the chat template expects it in training data."""
+    """The server's message as the chat template expects it in training data (its tool
+    calls kept, their arguments parsed as templates take them)."""
     content = message.get("content") or ""
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     if not reasoning or form == "drop":
-        return {"role": "assistant", "content": content}
-    if form == "field":
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
-    return {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
+        kept = {"role": "assistant", "content": content}
+    elif form == "field":
+        kept = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    else:
+        kept = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
+    if message.get("tool_calls"):
+        from eagle3flow.dataset import tool_calls_for_templates
+
+        kept["tool_calls"] = tool_calls_for_templates(message["tool_calls"], "the answer")
+    return kept
+
+
+def wire_message(message: dict) -> dict:
+    """A turn as an OpenAI-compatible server takes it back: tool calls with their arguments
+    as a JSON string, a tool's output with the id of the call it answers."""
+    sent = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            sent[key] = message[key]
+    if message.get("tool_calls"):
+        sent["tool_calls"] = [{**call, "function": {**call["function"], "arguments": call["function"]["arguments"]
+                                                    if isinstance(call["function"]["arguments"], str)
+                                                    else json.dumps(call["function"]["arguments"])}}
+                              for call in message["tool_calls"]]
+    return sent
 
 
 def reasoning_form(setting: str, tokenizer_dir: str | None) -> str:
@@ -291,10 +306,11 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
     sent: list[dict] = []      # what the server sees: previous answers as content only
     kept: list[dict] = []      # what training sees: answers with their reasoning
     finish_reasons, prompt_tokens, completion_tokens = [], 0, 0
+    tools = getattr(messages, "tools", None)
     for message in messages:
         if message["role"] != "assistant":
-            sent.append({"role": message["role"], "content": message["content"]})
-            kept.append(dict(sent[-1]))
+            sent.append(wire_message(message))
+            kept.append(dict(message))
             continue
         if stop.is_set():
             raise PromptFailed("stopped")
@@ -302,6 +318,8 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
         body = {"model": settings.model, "messages": sent, "max_tokens": cfg["max_tokens"],
                 "temperature": cfg["temperature"], "top_p": cfg["top_p"],
                 "seed": request_seed(cfg["seed"], sample_id, turn), **cfg["extra_body"]}
+        if tools:
+            body["tools"] = tools
         if settings.template_kwargs:
             body.setdefault("chat_template_kwargs", settings.template_kwargs)
         answer = call_with_retries(client, body, cfg, stop, counters, lock)
@@ -311,13 +329,15 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
         except (KeyError, IndexError, TypeError):
             raise PromptFailed(f"turn {turn}: malformed answer: {json.dumps(answer)[:200]}") from None
         regenerated = assistant_message(reply, settings.form)
-        if not regenerated["content"].strip() and not regenerated.get("reasoning_content"):
+        if not regenerated["content"].strip() and not regenerated.get("reasoning_content") \
+                and not regenerated.get("tool_calls"):
             raise PromptFailed(f"turn {turn}: empty answer (finish_reason {choice.get('finish_reason')})")
         finish_reasons.append(choice.get("finish_reason"))
         usage = answer.get("usage") or {}
         prompt_tokens += int(usage.get("prompt_tokens") or 0)
         completion_tokens += int(usage.get("completion_tokens") or 0)
-        sent.append({"role": "assistant", "content": reply.get("content") or ""})
+        sent.append(wire_message({"role": "assistant", "content": reply.get("content"),
+                                  "tool_calls": reply.get("tool_calls")}))
         kept.append(regenerated)
     return {"id": sample_id, "prompt_sha": prompt_hash(messages), "messages": kept,
             "finish_reasons": finish_reasons, "prompt_tokens": prompt_tokens,
@@ -374,11 +394,9 @@ RATE_EVERY_S = 5.0
 
 
 def _write_rate(cache_dir: Path, completion_tokens: int, seconds: float) -> None:
-    tmp = cache_dir / f".{RATE_FILE}.tmp-{os.getpid()}"
     try:
-        tmp.write_text(json.dumps({"completion_tokens": completion_tokens, "seconds": round(seconds, 2),
-                                   "at": time.time()}))
-        os.replace(tmp, cache_dir / RATE_FILE)
+        write_json(cache_dir / RATE_FILE, {"completion_tokens": completion_tokens,
+                                           "seconds": round(seconds, 2), "at": time.time()}, indent=None)
     except OSError:
         pass
 
@@ -410,7 +428,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     template_kwargs = dict(template_kwargs or {})
     out_dir, t0 = Path(out_dir), time.monotonic()
     api_key = os.environ.get(cfg["api_key_env"]) or None
-    client = ChatClient(base_url, api_key, cfg["request_timeout_s"])
+    client = ChatClient(base_url, api_key, cfg["request_timeout_s"], cfg["max_concurrency"])
     form = reasoning_form(cfg["reasoning"], tokenizer_dir)
     model_setting = cfg["model"] or os.environ.get(MODEL_ENV) or None
     # The model name is part of the fingerprint, so without one the server must be asked
@@ -469,6 +487,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         cache.close()
+        client.close()
     progress.close()
 
     stats = _write_outputs(conversations, cache.entries, failures, out_dir, {

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from eagle3flow import plots
-from eagle3flow.shards import atomic_write_json
+from eagle3flow.atomic import write_json
 
 FIGURES = {
     "training": "training.png",
@@ -313,7 +313,7 @@ def build_report(out_dir, eval_summary, train_metrics, vocab_stats, dataset_stat
     }
     (out_dir / "evaluation.html").write_text(evaluation_html(summary))
     (out_dir / "run.html").write_text(run_html(info))
-    atomic_write_json(out_dir / "report.json", info)
+    write_json(out_dir / "report.json", info)
     print(f"report: wrote {len(FIGURES)} figures, evaluation.html, run.html and report.json "
           f"to {out_dir}", file=sys.stderr, flush=True)
     return info

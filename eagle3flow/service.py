@@ -50,10 +50,13 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3flow.atomic import write_text
+from eagle3flow.config import schema_defaults
 from eagle3flow.gpu_holders import (GpuQueryError, children_of, describe_process,
                                     gpu_memory_used, gpu_processes, process_start_ticks)
 from eagle3flow.procfs import (boot_id, boot_time, environ, pid_namespace, pids_with_env,
                                verdict)
+from eagle3flow.gpu_env import drain_refusal
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
 DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
@@ -65,26 +68,9 @@ DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
 RUN_ENV = "EAGLE3FLOW_RUN"
 JOB_ENV = "EAGLE3FLOW_JOB"
 
-# Defaults of the config's `drain` section (schemas/config.schema.yaml holds the same,
-# with descriptions); used when this module is called by hand with --config.
-DEFAULTS = {
-    "enabled": False,
-    "unit": None,
-    "health_url": "http://127.0.0.1:8000/health",
-    "systemctl": ["systemctl"],
-    "nvidia_smi": "nvidia-smi",
-    "cgroup_root": "/sys/fs/cgroup",
-    "stop_timeout_s": 300,
-    "gpu_release_timeout_s": 120,
-    "gpu_idle_memory_mib": 1024,
-    "health_timeout_s": 3600,
-    "poll_interval_s": 2.0,
-    "kill_foreign_gpu_processes": False,
-    "watchdog_poll_s": 5.0,
-    "orphan_timeout_s": 86400,
-    "restore_attempts": 3,
-    "restore_retry_s": 30,
-}
+# Defaults of the config's `drain` section, from the schema (schemas/config.schema.yaml,
+# their one home); used when this module is called by hand with --config.
+DEFAULTS = schema_defaults("drain")
 ACTIVE_STATES = ("active", "activating", "reloading")
 
 
@@ -147,9 +133,7 @@ class State:
 
     def write(self, path: Path, value) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(value, indent=1) + "\n")
-        tmp.replace(path)
+        write_text(path, json.dumps(value, indent=1) + "\n")
 
     def downtime_records(self) -> list[dict]:
         return self.read(self.downtime) or []
@@ -867,6 +851,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "drain":
             # no GPUs configured: the unit's GPUs are all of the node's
             gpus = list(range(args.gpus)) if args.gpus > 0 else sorted(gpu_memory_used(settings["nvidia_smi"]))
+            # Before anything touches systemctl: stopping production is pointless when the
+            # stages cannot use the GPUs it frees (CPU torch, vLLM's CPU build, too few GPUs).
+            refusal = settings["check_gpu_environment"] and drain_refusal(len(gpus), settings["nvidia_smi"])
+            if refusal:
+                raise ServiceError(refusal)
             drain(settings, state_dir, args.stage, gpus, args.flag)
         elif args.command == "restore":
             record = restore(settings, state_dir, reason="manual (python -m eagle3flow.service restore)")

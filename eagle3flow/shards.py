@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from eagle3flow.atomic import replacing, write_json, write_text
+
 from safetensors import safe_open
 
 FORMAT = "eagle3flow.hidden_states.v1"
@@ -64,22 +66,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _tmp_name(path: Path) -> Path:
-    """A temporary sibling no other process writes: partitions on other nodes share the cache."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- storage
@@ -183,9 +169,7 @@ def write_packed_shard(path: str | os.PathLike, sample_ids: list[str], input_ids
 
     digest = hashlib.sha256() if checksum else None
     size = 0
-    tmp = _tmp_name(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=1) as hasher, open(tmp, "wb") as f:
+    with replacing(path) as tmp, ThreadPoolExecutor(max_workers=1) as hasher, open(tmp, "wb") as f:
         pending = None
         # Without hashing, a tensor is one write (the GIL is taken back once, not per chunk).
         step = WRITE_CHUNK if digest is not None else 1 << 62
@@ -201,9 +185,6 @@ def write_packed_shard(path: str | os.PathLike, sample_ids: list[str], input_ids
                 size += len(chunk)
         if pending is not None:
             pending.result()
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return {"file": path.name, "sha256": digest.hexdigest() if digest else None,
             "num_samples": len(sample_ids), "num_tokens": int(tensors["input_ids"].numel()),
             "bytes": size}
@@ -405,9 +386,7 @@ def merge_throughput_logs(sources: list[Path], out: Path) -> None:
     for src in sources:
         if Path(src).is_file():
             lines.extend(line for line in Path(src).read_text().splitlines() if line.strip())
-    tmp = _tmp_name(out)
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, out)
+    write_text(out, "".join(line + "\n" for line in lines))
 
 
 def main(argv=None) -> None:
@@ -436,7 +415,7 @@ def main(argv=None) -> None:
         merged = merge_manifests(datas, where=parts)
         out = Path(out)
         merge_throughput_logs([throughput_path(Path(p)) for p in parts], throughput_path(out))
-        atomic_write_json(out, merged)
+        write_json(out, merged)
         print(f"merged {len(parts)} partition(s): {len(merged['shards'])} shards, "
               f"{merged['num_tokens']:,} tokens -> {out}", file=sys.stderr)
 

@@ -27,6 +27,7 @@ import os
 import sys
 from pathlib import Path
 
+from eagle3flow.atomic import write_text
 from eagle3flow.procfs import ancestor_chain, identity, pids_with_env, verdict
 
 RUN_ENV = "EAGLE3FLOW_RUN"    # eagle3flow.service.RUN_ENV (not imported: that module is larger)
@@ -54,11 +55,7 @@ def _file_identity(path: Path) -> dict | None:
 
 
 def _write_owners(workdir, owners: dict) -> None:
-    path = _owners_file(workdir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(owners, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text(_owners_file(workdir), json.dumps(owners, indent=1) + "\n")
 
 
 def record_owner(workdir, lock_files, pid: int | None = None, run_id: str | None = None,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -42,6 +41,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from eagle3flow.atomic import write_json
 
 CHAIN_FILE = "chain.json"
 
@@ -173,10 +174,7 @@ def write_chain(chain: Chain, results: str | os.PathLike) -> Path:
     """onstart of a streaming run: pin the chain (see :func:`pinned_chain`)."""
     path = Path(results) / "streaming" / CHAIN_FILE
     if read_json(path) != {**chain.to_json()}:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(chain.to_json(), indent=2))
-        os.replace(tmp, path)
+        write_json(path, chain.to_json())
     return path
 
 
@@ -195,11 +193,6 @@ def chain_from_budget(partitions: int, epochs: int, room_bytes: float,
         return None, (f"not even one of the {partitions} partitions ({part_bytes:,} B of hidden "
                       f"states each) fits in the {max(0, int(room_bytes)):,} B left for them")
     return Chain(partitions, epochs, fits, part_bytes), None
-
-
-def partitions_needed(train_bytes: float, room_bytes: float, in_flight: int = 2) -> int:
-    """Partitions for ``in_flight`` of them to fit in ``room_bytes``."""
-    return max(2, math.ceil(in_flight * train_bytes / max(room_bytes, 1)))
 
 
 # ----------------------------------------------------------------------------- consuming a link
@@ -278,13 +271,7 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         # what was extracted, for results/hidden_states/train/manifest.json.
         "manifest_path": str(train_manifest), "manifest": manifest,
     }
-    tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
+    write_json(marker, state)
 
     freed = 0
     for path in part_files(manifest):
@@ -332,11 +319,11 @@ def record_manifest(markers: list[Path], out: Path) -> dict:
             record[key] = sum(int(d["manifest"].get(key, 0)) for d in parts)
     record["streamed"] = {"partitions": len(parts), "shards_deleted": True,
                           "consumed": [str(p) for p in markers]}
-    from eagle3flow.shards import atomic_write_json, merge_throughput_logs
+    from eagle3flow.shards import merge_throughput_logs
     logs = [Path(d["manifest_path"]).with_name(f"{Path(d['manifest_path']).stem}.throughput.jsonl")
             for d in parts]
     merge_throughput_logs(logs, out.parent / "throughput.jsonl")
-    atomic_write_json(out, record)
+    write_json(out, record)
     log(f"{len(parts)} consumed partitions ({record['num_tokens']:,} tokens, "
         f"{len(record['shards'])} shards, deleted) recorded in {out}")
     return record

@@ -45,63 +45,33 @@ import re
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3flow.atomic import write_json
+from eagle3flow.config import schema_defaults
 from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
 from eagle3flow.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
 from eagle3flow.loss import scored_mask, teacher_targets, ttt_loss
 from eagle3flow.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizers, lr_factor
-from eagle3flow.progress import Progress, format_eta
-from eagle3flow.shards import Manifest, atomic_write_json, load_manifest, sha256_file
+from eagle3flow.progress import Progress
+from eagle3flow.shards import Manifest, load_manifest, sha256_file
 from eagle3flow.target_weights import load_target_config, load_target_head, tensor_locations
+from eagle3flow.trackers import Trackers, flatten
 from eagle3flow.train_data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
                                    plan_batches, rank_share)
 
-TRAIN_DEFAULTS = {
-    "ttt_steps": 7,            # chain steps trained (and evaluated)
-    "epochs": 1,
-    "batch_tokens": 8192,      # packed tokens per optimizer step
-    "lr": 3e-3,
-    "optimizer": "muon",       # muon (hidden matrices; AdamW for the rest) | adamw: eagle3flow/optim.py
-    "lr_schedule": "cosine",   # cosine | linear decay after the warmup
-    "min_lr_ratio": 0.1,       # the schedule decays to lr * min_lr_ratio
-    "warmup_ratio": 0.03,      # fraction of total steps of linear warmup
-    "weight_decay": 0.0,
-    "adam_betas": [0.9, 0.95],
-    "muon_momentum": 0.95,
-    "muon_weight_decay": 0.1,
-    "max_grad_norm": 1.0,
-    "step_loss_decay": 0.8,    # weight of step j is decay**j
-    "freeze_lm_head": False,   # keep the lm_head at the target's rows
-    "teacher_temperature": 1.0,  # < 1 sharpens the teacher towards its argmax (what greedy accepts)
-    "init_midlayer": "random",   # random | target: attention, MLP and norms from the target's last layer
-    "hidden_noise": 0.0,       # std of Gaussian noise on the aux states, relative to their RMS (training only)
-    "seed": 0,
-    "log_every": 10,           # optimizer steps between metrics lines
-    "checkpoint_every": 200,   # optimizer steps between checkpoints (and one at the end)
-    "keep_checkpoints": 2,
-    "device": "auto",          # auto | cpu | cuda
-    "draft": {},               # DraftConfig overrides, e.g. {"intermediate_size": 1024}
-    "eval_max_tokens": None,   # cap on eval tokens (None: the whole eval split)
-    "nproc": None,             # processes per node (None: one per GPU, 1 on CPU); read by the launcher
-    "nodes": 1,                # nodes (SLURM); read by the launcher
-    "data_workers": None,      # reader processes per rank (None: 4 on CUDA, 0 on CPU)
-    "prefetch_batches": 8,     # batches read ahead per rank
-    "peak_flops": None,        # per-device FLOP/s for MFU (None: measured bf16/fp32 matmul)
-    "grad_reduce_dtype": "auto",  # dtype of the gradient all-reduce: auto (bf16 on CUDA) | float32 | bfloat16
-}
+# Every key of the workflow's `train` section, with its default (schemas/config.schema.yaml).
+TRAIN_DEFAULTS = schema_defaults("train")
 # Keys that change neither the trained weights nor the loss history (the world size
 # changes the float summation order only, so a run may resume under another one).
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
-                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype")
+                     "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype",
+                     "report_to")
 
 
 def resolve_train_config(config: dict | None) -> dict:
@@ -129,17 +99,15 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: init_midlayer must be random|target, got {merged['init_midlayer']!r}")
     if not float(merged["teacher_temperature"]) > 0:
         raise ValueError(f"train config: teacher_temperature must be > 0, got {merged['teacher_temperature']}")
+    from eagle3flow.trackers import TRACKERS
+
+    if not isinstance(merged["report_to"], list) or set(merged["report_to"]) - set(TRACKERS):
+        raise ValueError(f"train config: report_to must be a list of {list(TRACKERS)}, got {merged['report_to']!r}")
     if float(merged["hidden_noise"]) < 0:
         raise ValueError(f"train config: hidden_noise must be >= 0, got {merged['hidden_noise']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------------- vocab map / model init
@@ -418,6 +386,27 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
         ctx.close()
 
 
+class PeakFlops:
+    """The FLOP/s one device's MFU is relative to: ``train.peak_flops`` when configured,
+    else a matmul measured at start. A measurement taken while the machine was busy comes
+    out low, so an MFU above 100% is never reported: the peak is measured again, and if
+    the achieved rate still exceeds it, the MFU is reported as unknown (None)."""
+
+    def __init__(self, device: torch.device, configured: float | None):
+        self.device, self.configured = device, configured
+        self.value = float(configured) if configured else measure_matmul_flops(device)
+        self.basis = "configured" if configured else "measured matmul"
+        self.remeasured = False
+
+    def mfu(self, achieved_per_device: float) -> dict:
+        """``{"mfu", "mfu_peak_flops", "mfu_basis"}`` for a training rate (FLOP/s per device)."""
+        if achieved_per_device > self.value and not self.configured and not self.remeasured:
+            self.value = max(self.value, measure_matmul_flops(self.device, repeats=20))
+            self.remeasured = True
+        mfu = achieved_per_device / self.value if achieved_per_device <= self.value else None
+        return {"mfu": mfu, "mfu_peak_flops": self.value, "mfu_basis": self.basis}
+
+
 def with_noise(aux: torch.Tensor, relative_std: float, num_aux: int) -> torch.Tensor:
     """``aux [N, A*H]`` plus Gaussian noise of ``relative_std`` times each aux layer's RMS
     per token (the draft must not rely on the target's states being exact)."""
@@ -500,7 +489,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
 
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
+        write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": model.config.to_dict(),
                                                     "train_manifest": str(train_manifest), "chain": chain})
     step, epoch, batch_index, best, base_step = 0, 0, 0, None, 0
     history_from = None            # another run's metrics.jsonl this run's history starts with
@@ -525,8 +514,8 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     if state is not None:
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
+        tokens_done[0] = int(state.get("tokens_done", 0))   # before the schedule: a chain's lr reads it
         scheduler.load_state_dict(state["scheduler"])
-        tokens_done[0] = int(state.get("tokens_done", 0))
         set_rng_state(state["rng"])
         del state
     total_steps = base_step + sum(steps_per_epoch)
@@ -550,11 +539,14 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     def checkpoint(next_epoch: int, next_batch: int):
         nonlocal best
         if eval_split is not None:
-            acceptance = evaluate()["simulated_acceptance_length"][str(num_steps)]
+            evaluated = evaluate()
+            acceptance = evaluated["simulated_acceptance_length"][str(num_steps)]
             if acceptance is not None and (best is None or acceptance > best["acceptance_length"]):
                 best = {"step": step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps}
             log(f"train: step {step} eval simulated acceptance length (K={num_steps}) {acceptance}; "
                 f"best {best}")
+            trackers.log(step, flatten("eval", {"simulated_acceptance_length": evaluated["simulated_acceptance_length"],
+                                                "step_accuracy": evaluated["step_accuracy"]}))
         batches = plan(next_epoch) if next_epoch < cfg["epochs"] else []
         position = batches[next_batch][0] if next_batch < len(batches) else None
         state = {
@@ -567,7 +559,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         }
         save_checkpoint(run_dir, step, state, cfg["keep_checkpoints"], best["step"] if best else None)
         if best is not None:
-            atomic_write_json(run_dir / "best.json", {**best, "checkpoint": str(run_dir / f"step-{best['step']:08d}")})
+            write_json(run_dir / "best.json", {**best, "checkpoint": str(run_dir / f"step-{best['step']:08d}")})
 
     # The remaining global batches, in order, and this rank's share of each.
     positions = [(e, b) for e in range(epoch, cfg["epochs"])
@@ -582,11 +574,13 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
 
     all_lengths = [n for shard in data.lengths for n in shard]
     flops_per_token = train_flops_per_token(model.config, num_steps, mean_causal_context(all_lengths))["total"]
-    peak_flops = float(cfg["peak_flops"]) if cfg["peak_flops"] else measure_matmul_flops(device)
+    peak = PeakFlops(device, cfg["peak_flops"])
+    peak_flops = peak.value
     log(f"train: {ctx.world_size} process(es) on {device.type}, {total_steps} steps of <= "
         f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token, "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({'configured' if cfg['peak_flops'] else 'measured'})")
 
+    trackers = Trackers(cfg["report_to"] if ctx.is_main else [], out_dir, fp, cfg)
     progress = Progress("train", data.num_tokens * cfg["epochs"], unit="tokens",
                         done=data.num_tokens * cfg["epochs"] - sum(global_tokens),
                         stream=sys.stderr if ctx.is_main else open(os.devnull, "w"))
@@ -632,17 +626,19 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
                    "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],
                    "step_rows": [int(c) for c in counts], "grad_norm": float(grad_norm), "lr": lr,
                    "tokens": global_tokens[k], "tokens_per_s": tokens_per_s,
-                   "mfu": tokens_per_s * flops_per_token / (peak_flops * ctx.world_size),
+                   **peak.mfu(tokens_per_s * flops_per_token / ctx.world_size),
                    "data_wait_s": summed[1] / ctx.world_size / window["steps"],
                    "world_size": ctx.world_size}
             window = {"tokens": 0, "wait": 0.0, "steps": 0, "t0": now}
-            last = (f"loss {row['loss']:.4f} acc0 {row['step_acc'][0]:.3f} mfu {row['mfu']:.1%} "
+            mfu_text = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%} of {row['mfu_peak_flops'] / 1e12:.2f} TFLOP/s"
+            last = (f"loss {row['loss']:.4f} acc0 {row['step_acc'][0]:.3f} mfu {mfu_text} "
                     f"data-wait {row['data_wait_s'] * 1e3:.1f} ms/step")
             if ctx.is_main:
                 line = json.dumps(row)
                 for path in metrics_paths:
                     with open(path, "a") as f:
                         f.write(line + "\n")
+                trackers.log(step, flatten("train", {k: v for k, v in row.items() if k not in ("step", "epoch")}))
         progress.update(global_tokens[k], extra=f"step {step}/{total_steps} {last}")
         if step % cfg["checkpoint_every"] == 0 or step == total_steps:
             if ctx.is_main:
@@ -650,6 +646,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         if delay:
             time.sleep(delay)
     progress.close()
+    trackers.close()
 
     if not ctx.is_main:
         return {}
@@ -658,7 +655,7 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
     save_file({k: v.detach().cpu().float().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
                for k, v in model.trainable_state_dict().items()},
               str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
-    atomic_write_json(out_dir / "draft_config.json", model.config.to_dict())
+    write_json(out_dir / "draft_config.json", model.config.to_dict())
     result = {"train_config": cfg, "fingerprint": fp, "steps": step, "world_size": ctx.world_size,
               "flops_per_token": flops_per_token, "best_checkpoint": best,
               "tokens_done": tokens_done[0], "chain": chain,
@@ -667,9 +664,9 @@ def _train(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab_map
         result.update(evaluate())
         log(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
             f"{result['simulated_acceptance_length']}")
-    atomic_write_json(out_dir / "eval.json", result)
+    write_json(out_dir / "eval.json", result)
     # Last: the final checkpoint and the outputs are on disk.
-    atomic_write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done[0],
+    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done[0],
                                             "checkpoint": result["final_checkpoint"],
                                             "out_dir": str(out_dir), "finished_at": time.time()})
     return result

@@ -22,7 +22,6 @@ import json
 import random
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 from safetensors import safe_open

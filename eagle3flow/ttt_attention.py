@@ -6,9 +6,10 @@ wrote at steps ``1..j`` (the "tail"). Both key sets share one softmax.
 
 Shapes (padded layout, ``B`` samples of ``T`` rows, ``h`` query / ``g`` kv heads):
 
-* ``q [B, T, h, d]``; ``k0, v0 [B, T, g, d]`` (step-0 cache);
-* ``k_tail, v_tail [j, B, T, g, d]`` (``j >= 0``; entry ``i`` = row's own step ``i+1``);
-* returns ``out [B, T, h, d]``.
+* ``q [B, T, h, d]``; ``k0 [B, T, g, d]``, ``v0 [B, T, g, dv]`` (step-0 cache; ``dv = d``
+  but for MLA);
+* ``k_tail, v_tail [j, B, T, g, d | dv]`` (``j >= 0``; entry ``i`` = row's own step ``i+1``);
+* returns ``out [B, T, h, dv]``.
 
 Two implementations of the same function:
 
@@ -27,6 +28,7 @@ Two implementations of the same function:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -47,8 +49,19 @@ def flash_supported(q: torch.Tensor) -> bool:
 
 
 def cache_tail_attention(q, k0, v0, k_tail, v_tail, scale: float) -> torch.Tensor:
-    """Dispatch: the flash path where supported, else the exact float32 path (shapes above)."""
+    """Dispatch: the flash path where supported, else the exact float32 path (shapes above).
+
+    Values may be narrower than queries and keys (MLA: scores over qk_nope + qk_rope dims,
+    values of v_head_dim): the exact path takes them as they are; the flash path pads
+    them with zeros to the query width and drops the padded output columns, which leaves
+    the result and every gradient the same.
+    """
     if flash_supported(q):
+        dv, d = v0.shape[-1], q.shape[-1]
+        if dv != d:
+            pad = (0, d - dv)
+            out = FlashCacheTailAttention.apply(q, k0, F.pad(v0, pad), k_tail, F.pad(v_tail, pad), scale)
+            return out[..., :dv]
         return FlashCacheTailAttention.apply(q, k0, v0, k_tail, v_tail, scale)
     return exact_cache_tail_attention(q, k0, v0, k_tail, v_tail, scale)
 

@@ -30,6 +30,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
 from eagle3flow import shards
+from eagle3flow.atomic import write_json
 from eagle3flow.vllm_extract import (ERROR_SUFFIX, PARAMS_KEY, capture_layer_ids,
                                      find_cache_group, gather_sample)
 
@@ -214,7 +215,7 @@ def write_shard_file(path: Path, samples: list[dict], compute_dtype: str) -> Non
             torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8), cu,
             packed["aux"], packed["last"], aux_scale=packed.get("aux_scale"),
             last_scale=packed.get("last_scale"), compute_dtype=compute_dtype)
-        shards.atomic_write_json(_entry_file(path), entry)
+        write_json(_entry_file(path), entry)
     except BaseException:
         path.with_name(path.name + ERROR_SUFFIX).write_text(traceback.format_exc())
         raise

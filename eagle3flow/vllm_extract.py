@@ -207,6 +207,7 @@ def load_engine(x, max_model_len: int, tensor_parallel_size: int | None = None,
     share target, layer ids, dtypes and batch size).
     """
     from eagle3flow.hidden_states import read_target_config
+    from eagle3flow.vllm_runner import cpu_engine_options
 
     tp = resolve_tensor_parallel_size(tensor_parallel_size, x.device)
     on_cpu = x.device.type == "cpu"
@@ -245,9 +246,7 @@ def load_engine(x, max_model_len: int, tensor_parallel_size: int | None = None,
                 "rms_norm_eps": float(text_config.get("rms_norm_eps", 1e-6)),
                 "storage_dtype": x.storage_dtype, "compute_dtype": x.dtype_name}})
     if on_cpu:
-        # The CPU rotary custom op gives silently wrong MLA outputs; the native one is right.
-        kwargs["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
-        kwargs["enforce_eager"] = True
+        kwargs.update(cpu_engine_options(text_config, x.dtype_name))
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if tp == 1:

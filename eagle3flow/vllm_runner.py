@@ -52,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 
 SPEC_COUNTERS = {
@@ -178,6 +179,22 @@ def _request_metrics(completion) -> dict | None:
             "per_step_drafted": list(m.per_step_drafted)}
 
 
+def cpu_engine_options(target_config: dict, dtype: str) -> dict:
+    """vLLM CPU engine options a target needs to compute what transformers computes.
+
+    An MLA target (DeepSeek-V2/V3, Kimi-K2: ``kv_lora_rank`` in its config): the CPU
+    rotary custom op gives silently wrong MLA outputs (the native one is right); and on
+    hosts with AMX, vLLM prefers its AMX MLA kernels, which take only bf16/fp16/int8
+    weights and refuse a float32 engine: there the reference CPU_MLA backend is asked for.
+    """
+    options: dict = {"enforce_eager": True}
+    if "kv_lora_rank" in target_config:
+        options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+        if dtype == "float32":
+            options["attention_config"] = {"backend": "CPU_MLA"}
+    return options
+
+
 def generate(request: dict) -> dict:
     """Load one engine, generate greedily for every prompt, return the result dict."""
     request = {**REQUEST_DEFAULTS, **request}
@@ -223,10 +240,19 @@ def generate(request: dict) -> dict:
                   disable_log_stats=False)  # get_metrics() asserts stat logging is on
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
-    if not on_cpu:
+    if on_cpu:
+        from eagle3flow.target_weights import load_target_config
+
+        kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
+                                                           str(request["dtype"])).items()
+                       if k != "enforce_eager"})
+    else:
         kwargs["gpu_memory_utilization"] = float(request["gpu_memory_utilization"])
     if spec:
         kwargs["speculative_config"] = dict(spec)
+        backend = (kwargs.get("attention_config") or {}).get("backend")
+        if backend:   # an MLA draft picks its own backend: the same one as its target
+            kwargs["speculative_config"].setdefault("attention_backend", backend)
         # Per-request acceptance per verify step: lets the caller compare prompt by prompt.
         kwargs["per_request_spec_decode_metrics"] = "detailed"
 
@@ -379,10 +405,7 @@ def main(argv=None) -> None:
         request = json.load(f)
     result = generate(request)
     out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.partial")
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out)
+    write_json(out, result, indent=None)
 
 
 if __name__ == "__main__":

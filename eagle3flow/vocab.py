@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3flow.progress import Progress
-from eagle3flow.shards import atomic_write_json
+from eagle3flow.atomic import replacing, write_json
 
 
 def target_vocab_size(target_path: str | os.PathLike) -> int:
@@ -107,10 +107,8 @@ def build_vocab_map(dataset_parquets: list, target_vocab_size: int, draft_vocab_
     selected = select_draft_vocab(counts, draft_vocab_size)
     d2t, t2d = vocab_maps(selected, target_vocab_size)
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
-    os.replace(tmp, out_path)
+    with replacing(out_path) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
 
     size = len(selected)
     curve_sizes = sorted({s for s in (2 ** np.arange(8, 20)).tolist() if s < target_vocab_size}
@@ -126,7 +124,7 @@ def build_vocab_map(dataset_parquets: list, target_vocab_size: int, draft_vocab_
         "coverage_at_size": coverage_curve(counts, curve_sizes),
         "datasets": [str(p) for p in dataset_parquets],
     }
-    atomic_write_json(stats_path, stats)
+    write_json(stats_path, stats)
     return stats
 
 

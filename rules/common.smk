@@ -52,6 +52,11 @@ if USES_BUILTIN_PROMPTS and not config["regenerate"]["enabled"]:
         "dataset.path is null, so the workflow uses its built-in prompts, which have no "
         "answers: set regenerate.enabled: true (the target answers them) or dataset.path")
 DRAFT_FILES = [f"{RESULTS}/draft/config.json", f"{RESULTS}/draft/model.safetensors"]
+# export.formats: the first is results/draft/, the others results/draft-<format>/.
+DRAFT_DIRS = {fmt: f"{RESULTS}/draft" + ("" if i == 0 else f"-{fmt}")
+              for i, fmt in enumerate(config["export"]["formats"])}
+EXTRA_DRAFT_FILES = [f"{path}/{name}" for fmt, path in list(DRAFT_DIRS.items())[1:]
+                     for name in ("config.json", "model.safetensors")]
 GPUS = config["resources"]["gpus"]
 
 

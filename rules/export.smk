@@ -6,9 +6,11 @@ rule export_draft:
         target=target_input(),
     output:
         DRAFT_FILES,
+        EXTRA_DRAFT_FILES,
     params:
         train_dir=lambda wildcards, input: os.path.dirname(input.weights),
-        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
+        out_dirs=" ".join(f"--out-dir {fmt}={path}" for fmt, path in DRAFT_DIRS.items()),
+        k=config["evaluate"]["num_speculative_tokens"],
     log:
         f"{LOGS}/export_draft.log",
     benchmark:
@@ -17,4 +19,4 @@ rule export_draft:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.export --train-dir {params.train_dir} --vocab-map {input.vocab_map}"
-        " --target {input.target:q} --out-dir {params.out_dir} 2>&1 | tee {log}"
+        " --target {input.target:q} {params.out_dirs} --speculative-tokens {params.k} 2>&1 | tee {log}"

@@ -1,7 +1,9 @@
 """Builders for tests: random targets small enough to run anywhere; process checks."""
 from __future__ import annotations
 
+import json
 import os
+import statistics
 from pathlib import Path
 
 
@@ -49,3 +51,33 @@ def make_random_llama(out_dir: Path, num_layers: int = 8, hidden_size: int = 64,
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def greedy_answers(results: Path, prompt_set: str = "eval") -> list[list[int]]:
+    """The target's greedy answers to a prompt set in an evaluation (its vLLM baseline run)."""
+    baseline = json.loads((results / "eval" / "vllm_baseline.json").read_text())
+    outputs = next(s for s in baseline["sets"] if s["name"] == prompt_set)["outputs"]
+    return [list(o["output_token_ids"]) for o in outputs]
+
+
+def answer_diversity(answers: list[list[int]]) -> tuple[float, float]:
+    """(fraction of answers that no other answer equals, median answer length in tokens)."""
+    counts: dict[tuple, int] = {}
+    for a in answers:
+        counts[tuple(a)] = counts.get(tuple(a), 0) + 1
+    unique = sum(1 for a in answers if counts[tuple(a)] == 1)
+    return unique / len(answers), statistics.median(len(a) for a in answers)
+
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def write_word_conversations(path: Path, n: int) -> Path:
+    """``n`` one-turn conversations of a dozen words, as OpenAI messages (JSONL)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            question = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(5 + i % 7))
+            answer = " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(10 + i % 13))
+            f.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}) + "\n")
+    return path

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, SHARED
 from eagle3flow.chat_masks import ChatMasker, MaskError, load_tokenizer
-from eagle3flow.dataset import (DatasetConfig, DatasetError, conversation_from_record,
+from eagle3flow.dataset import (BadRow, DatasetConfig, DatasetError, conversation_from_record,
                                 make_unique, prepare_dataset)
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -408,3 +408,46 @@ def test_cli_hub_id_fails_fast_offline(tokenizer_dirs, tmp_path):
     missing = _cli("--input", tmp_path / "missing.jsonl", "--tokenizer", tokenizer_dirs["llama3"],
                    "--out-dir", tmp_path / "out")
     assert missing.returncode == 1 and "missing.jsonl' does not exist" in missing.stderr
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_ROW = {"id": "agent-1", "tools": TOOLS, "messages": [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "temperature=18C; sky=clear"},
+    {"role": "assistant", "content": "Sunny and mild today."}]}
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "kimi_k2"])
+def test_tool_calls_are_trained_on_and_tool_outputs_are_not(tokenizer_dirs, family):
+    """An OpenAI agent row (assistant tool_calls with null content, a tool turn, a tools list)
+    renders with the target's template: the loss covers the assistant's call and its answer,
+    not the tool's output."""
+    from transformers import AutoTokenizer
+
+    messages = conversation_from_record(TOOL_ROW, "messages")
+    assert messages.tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2] == {"role": "tool", "content": "temperature=18C; sky=clear", "tool_call_id": "call_1"}
+    tok = AutoTokenizer.from_pretrained(tokenizer_dirs[family])
+    input_ids, loss_mask = ChatMasker(tok).tokenize(messages, "agent-1")
+    runs = masked_runs(tok, input_ids, loss_mask)
+    full = tok.decode(input_ids.tolist(), skip_special_tokens=False)
+    assert "get_weather" in full.split("Paris?")[0] or "get_weather" in full, "the tools reached the template"
+    assert len(runs) == 2, runs
+    assert "get_weather" in runs[0] and "Paris" in runs[0], runs      # the call the target makes
+    assert "Sunny and mild today." in runs[1]
+    assert not any("temperature=18C" in run for run in runs), runs    # what the tool said
+
+
+def test_bad_tool_calls_are_named():
+    row = json.loads(json.dumps(TOOL_ROW))
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(BadRow, match="turn 1: call 0 arguments are not JSON"):
+        conversation_from_record(row, "messages")
+    row["tools"] = "get_weather"
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{}"
+    with pytest.raises(BadRow, match="invalid tools"):
+        conversation_from_record(row, "messages")

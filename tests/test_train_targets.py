@@ -62,8 +62,9 @@ def test_deepseek_v3_nested_sharded_target_trains_end_to_end(tmp_path):
               "log_every": 1, "checkpoint_every": 100, "device": "cpu"}
     result = train(manifest, manifest, vmap, nested, tmp_path / "out", tmp_path / "cache", config)
     draft = json.loads((tmp_path / "out" / "draft_config.json").read_text())
-    # MLA target -> plain Llama layer: v_head_dim as head size, the target's heads as KV heads
-    assert (draft["head_dim"], draft["num_attention_heads"], draft["num_key_value_heads"]) == (32, 2, 2)
+    # MLA target -> an MLA draft (architecture auto) with the target's MLA dims
+    assert (draft["architecture"], draft["head_dim"], draft["num_attention_heads"], draft["q_lora_rank"],
+            draft["kv_lora_rank"], draft["qk_rope_head_dim"], draft["v_head_dim"]) == ("mla", 96, 2, 32, 512, 64, 32)
     assert draft["hidden_size"] == 64 and draft["intermediate_size"] == 128
     assert draft["aux_layer_ids"] == [2, 4, 5]
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -138,7 +139,12 @@ def test_draft_config_for_llama_qwen3_and_kimi():
     assert llama.rope_scaling["rope_type"] == "llama3" and llama.rope_theta == 500000.0
     qwen = DraftConfig.from_target_config(QWEN3_8B, [2, 18, 33], 32000)
     assert (qwen.head_dim, qwen.intermediate_size, qwen.rope_scaling) == (128, 12288, None)
-    kimi = DraftConfig.from_target_config(KIMI_K25, [2, 30, 58], 32000)
+    mla = DraftConfig.from_target_config(KIMI_K25, [2, 30, 58], 32000)
+    assert (mla.architecture, mla.head_dim, mla.q_lora_rank, mla.kv_lora_rank, mla.v_head_dim,
+            mla.intermediate_size) == ("mla", 192, 1536, 512, 128, 18432)
+    assert mla.rope_scaling["mscale_all_dim"] == 1.0 and "attention_factor" not in mla.rope_scaling
+    # the Llama-style draft of the published Kimi-K2 drafts, when asked for
+    kimi = DraftConfig.from_target_config(KIMI_K25, [2, 30, 58], 32000, {"architecture": "llama"})
     assert (kimi.hidden_size, kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim,
             kimi.intermediate_size, kimi.vocab_size) == (7168, 64, 64, 128, 18432, 163840)
     # YaRN as vLLM's llama_eagle3 reads it: explicit cos/sin scale (mscale / mscale_all_dim = 1)
@@ -151,11 +157,12 @@ def test_draft_config_for_llama_qwen3_and_kimi():
     # without mscale keys, yarn's default magnitude scale 0.1 ln(factor) + 1
     plain_yarn = {**KIMI_K25["text_config"], "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                               "original_max_position_embeddings": 4096}}
-    assert DraftConfig.from_target_config(plain_yarn, [1], 10).rope_scaling["attention_factor"] == \
-        pytest.approx(1.1386294)
+    assert DraftConfig.from_target_config(plain_yarn, [1], 10, {"architecture": "llama"}).rope_scaling[
+        "attention_factor"] == pytest.approx(1.1386294)
     # train.draft overrides any field but the hidden size
     small = DraftConfig.from_target_config(KIMI_K25, [2, 30, 58], 32000,
-                                           {"intermediate_size": 8192, "num_key_value_heads": 8})
+                                           {"architecture": "llama", "intermediate_size": 8192,
+                                            "num_key_value_heads": 8})
     assert (small.intermediate_size, small.num_key_value_heads) == (8192, 8)
     with pytest.raises(ValueError, match="not a draft config field"):
         DraftConfig.from_target_config(KIMI_K25, [2], 32000, {"num_layers": 2})

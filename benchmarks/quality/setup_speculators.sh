@@ -4,8 +4,9 @@
 # speculators declares torchvision and torchaudio but never imports them, and PyPI's
 # builds of them do not import beside torch 2.13.0+cpu (a plain install would pull a
 # CUDA torch): its other requirements are installed, then speculators with --no-deps.
-# Its trainer assumes an accelerator in three places; they are patched to fall back to
-# the CPU (the file and lines are printed; the check fails on any other version).
+# Its trainer assumes an accelerator in three places, and its checkpoint loader (used when
+# a training run resumes) in a fourth; they are patched to fall back to the CPU (the
+# files are printed; the check fails on any other version).
 set -euo pipefail
 VENV=${1:-.venv-speculators}
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
@@ -26,4 +27,8 @@ sed -i \
    $(grep -c 'acc.type if acc is not None else "cpu"' "$TRAINER") == 1 &&
    $(grep -c 'torch.accelerator.is_available() and torch.accelerator.synchronize()' "$TRAINER") == 2 ]] \
     || { echo "setup_speculators: the CPU patch did not apply to $TRAINER" >&2; exit 1; }
-echo "setup_speculators: $("$VENV/bin/speculators" --version 2>/dev/null | tail -1) in $VENV (CPU patch: $TRAINER)"
+UTIL=$("$VENV/bin/python" -c "import speculators.utils.util as m; print(m.__file__)")
+sed -i -e 's/^\(\s*\)return "cuda:0"$/\1return "cpu"/' "$UTIL"
+[[ $(grep -c '^ *return "cpu"$' "$UTIL") == 1 && $(grep -c 'return "cuda:0"' "$UTIL") == 0 ]] \
+    || { echo "setup_speculators: the CPU patch did not apply to $UTIL" >&2; exit 1; }
+echo "setup_speculators: $("$VENV/bin/speculators" --version 2>/dev/null | tail -1) in $VENV (CPU patch: $TRAINER, $UTIL)"

@@ -1,0 +1,68 @@
+"""Writing a file so that readers see the old one or the whole new one, never a part.
+
+The one home of atomic writes: every stage's outputs, manifests and markers go through
+:func:`replacing`. A crash (SIGKILL, node loss) mid-write leaves a hidden temporary
+sibling and the previous file untouched; the new content is on disk (fsynced) before it
+takes the final name, so a manifest never names data a power loss could still take back.
+Torch-free, so the planner and the ops code may use it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def temporary_sibling(path: Path) -> Path:
+    """A hidden name next to ``path`` that no other process writes (hosts share caches)."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:   # some file systems refuse fsync on a directory
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a temporary path to write ``path``'s new content to; on a clean exit it is
+    synced and renamed over ``path``, on an error removed (``path`` stays as it was)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(path.parent, directory=True)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | os.PathLike, obj, indent: int | None = 2) -> None:
+    write_text(path, json.dumps(obj, indent=indent))
+
+
+def write_jsonl(path: str | os.PathLike, rows, **dumps_options) -> int:
+    """One JSON object per line; returns the number of rows written."""
+    count = 0
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, **dumps_options) + "\n")
+            count += 1
+    return count
