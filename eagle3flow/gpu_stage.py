@@ -9,9 +9,12 @@
 * With ``--drain`` it refuses to start unless the unit is drained for this very run:
   ``session.json`` exists and names the live run whose token ($EAGLE3FLOW_RUN) this
   job carries.
-* The stage runs as a child in its own process group, with this job's token
-  ($EAGLE3FLOW_JOB = this wrapper) in its environment, and dies with this wrapper
-  (PR_SET_PDEATHSIG): a SIGKILLed job leaves no stage behind. SIGTERM, SIGINT and
+* The stage runs in its own process group, with this job's token
+  ($EAGLE3FLOW_JOB = this wrapper) in its environment, under a small guard (``--guard``,
+  the group's leader) that gets SIGTERM when this wrapper dies (PR_SET_PDEATHSIG) and
+  then stops the whole group (SIGTERM, then SIGKILL after the grace): a SIGKILLed job
+  leaves no stage behind, its grandchildren (a stage that starts the trainer as a
+  subprocess) included. SIGTERM, SIGINT and
   SIGHUP are forwarded to the stage's whole group; the wrapper waits until every
   process of that group has exited (the GPUs are then the driver's again).
 * Its status is the child's real one (killed by signal n: 128 + n), handed to
@@ -81,7 +84,55 @@ def _die_with_parent() -> None:
         pass
 
 
-def _group_alive(pgid: int) -> bool:
+def guard(command: list[str]) -> int:
+    """The stage group's leader (``--guard``): runs ``command`` in this group and returns
+    its status (a signal n as 128 + n). Signals the wrapper forwards reach the whole group
+    by themselves; when the wrapper is gone (PR_SET_PDEATHSIG, or reparented), the guard
+    stops the group: nothing of a killed job runs on."""
+    parent, group = os.getppid(), os.getpgrp()
+    orphaned: list[float] = []
+
+    def stop_group(signum=None, frame=None) -> None:
+        if os.getppid() == parent or orphaned:
+            return          # the wrapper's forwarded signal: the group has it already
+        orphaned.append(time.monotonic())
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, stop_group)
+    try:
+        child = subprocess.Popen(command)
+    except OSError as error:
+        print(f"[gpu_stage] cannot start {command[0]}: {error}", file=sys.stderr, flush=True)
+        return 127
+    while True:
+        try:
+            status = child.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        except InterruptedError:
+            continue
+        if os.getppid() != parent:
+            stop_group()
+            if time.monotonic() - orphaned[0] > GROUP_EXIT_GRACE_S:
+                os.killpg(group, signal.SIGKILL)
+    if os.getppid() != parent:
+        # Orphaned: what else of the group is left (a stage's own children) goes too.
+        stop_group()
+        while _group_alive(group, but=os.getpid()):
+            if time.monotonic() - orphaned[0] > GROUP_EXIT_GRACE_S:
+                os.killpg(group, signal.SIGKILL)
+            time.sleep(0.2)
+    return 128 - status if status < 0 else status
+
+
+def _group_alive(pgid: int, but: int | None = None) -> bool:
+    """Whether a live process (not a zombie, not ``but``) is in process group ``pgid``."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -90,7 +141,7 @@ def _group_alive(pgid: int) -> bool:
         return True
     # Zombies still count for killpg; a group made only of zombies has ended.
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and int(entry) != but:
             try:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
@@ -162,7 +213,7 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
     for sig in FORWARDED:
         signal.signal(sig, forward)
     try:
-        child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", "eagle3flow.gpu_stage", "--guard", "--", *command], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     except OSError as error:
         say(f"{stage}: cannot start {command[0]}: {error}")
@@ -220,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m eagle3flow.gpu_stage: give the stage's command after --", file=sys.stderr)
         return 2
     split = argv.index("--")
+    if argv[:split] == ["--guard"]:
+        return guard(argv[split + 1:])
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.gpu_stage",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--stage", required=True, help="the rule (a drained stage: DRAINED_STAGES)")

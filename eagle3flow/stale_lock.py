@@ -25,12 +25,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_text
-from eagle3flow.procfs import ancestor_chain, identity, pids_with_env, verdict
+from eagle3flow.procfs import ancestor_chain, environ, identity, pids_with_env, start_ticks, verdict
 
 RUN_ENV = "EAGLE3FLOW_RUN"    # eagle3flow.service.RUN_ENV (not imported: that module is larger)
+JOB_ENV = "EAGLE3FLOW_JOB"    # eagle3flow.service.JOB_ENV: "<stage wrapper pid>:<its start ticks>"
+# A rerun right after a SIGKILL of the whole run finds the GPU stages still exiting (their
+# wrapper died; they got SIGTERM from it: eagle3flow/gpu_stage.py): wait this long for them.
+DYING_GRACE_S = 30.0
 
 OWNERS = Path(".snakemake") / "eagle3flow" / "lock-owners.json"
 
@@ -100,6 +105,28 @@ def live_snakemake_pids(workdir: str | os.PathLike) -> list[int]:
     return found
 
 
+def _dying(pid: int) -> bool:
+    """A process of a GPU stage whose wrapper is gone: it was sent SIGTERM when the wrapper
+    died and is exiting (nobody would take its outputs)."""
+    wrapper, _, ticks = ((environ(pid) or {}).get(JOB_ENV) or "").partition(":")
+    if not wrapper.isdigit():
+        return False
+    started = start_ticks(int(wrapper))
+    return started is None or (ticks.isdigit() and started != int(ticks))
+
+
+def _jobs_left(run_id: str, grace_s: float = DYING_GRACE_S) -> list[int]:
+    """Processes of run ``run_id`` still alive, after waiting up to ``grace_s`` while all of
+    them are stages of killed jobs that are exiting (an orphaned job whose wrapper lives,
+    one that runs for hours, is not waited for)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        jobs = pids_with_env(RUN_ENV, run_id)
+        if not jobs or not all(_dying(p) for p in jobs) or time.monotonic() > deadline:
+            return jobs
+        time.sleep(0.2)
+
+
 def clear_stale_lock(workdir: str | os.PathLike = ".") -> bool:
     """Remove the lock files of ``workdir/.snakemake/locks`` whose owner provably died on
     this host; say what to check for every other one. True if anything was removed."""
@@ -117,7 +144,7 @@ def clear_stale_lock(workdir: str | os.PathLike = ".") -> bool:
                                "Snakemake version, or written by hand)"))
             continue
         state, why = verdict(rec)
-        jobs = pids_with_env(RUN_ENV, rec["run_id"]) if state == "dead" and rec.get("run_id") else []
+        jobs = _jobs_left(rec["run_id"]) if state == "dead" and rec.get("run_id") else []
         if state == "dead" and jobs:
             kept.append((lock, f"{why}, but jobs of that run still run here: pid(s) {jobs}; they end by "
                                "themselves (or stop them), then rerun"))

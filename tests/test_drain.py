@@ -465,6 +465,23 @@ def test_stage_wrapper_forwards_a_signal_and_records_the_real_status(box, tmp_pa
     assert "stage: SIGTERM, releasing the GPUs" in text and "received SIGTERM" in text
 
 
+def test_sigkilled_stage_wrapper_leaves_no_process_of_the_stage(tmp_path):
+    """SIGKILL of the job (its wrapper): the stage and what the stage started itself (a
+    streaming link runs the trainer as a subprocess) end, instead of training on as
+    orphans next to the rerun."""
+    pid_file = tmp_path / "grandchild"
+    stage = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    wrapper = subprocess.Popen([sys.executable, "-m", "eagle3flow.gpu_stage", "--stage", "train_partition",
+                                "--gpus", "0", "--", sys.executable, "-c", stage],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the stage's subprocess")
+    grandchild = int(pid_file.read_text())
+    wrapper.kill()
+    wrapper.wait()
+    wait_for(lambda: not alive(grandchild), 30, "the stage's subprocess to end")
+
+
 def test_stage_wrapper_refuses_a_stage_the_unit_is_not_drained_for(box, tmp_path):
     box.start_unit()
     run_env = box.live_run(["train_draft"])

@@ -73,11 +73,10 @@ def table():
 
 
 def merged(old: list[dict], new: list[dict], key: tuple[str, ...]) -> list[dict]:
-    """``old`` with each row of ``new`` in place of the old row of the same key (new keys
-    appended, in ``new``'s order)."""
-    fresh = {tuple(r[k] for k in key): r for r in new}
-    out = [fresh.pop(tuple(r.get(k) for k in key), r) for r in old]
-    return out + list(fresh.values())
+    """The rows of this session (in the order they ran), then the rows of ``old`` whose
+    scenario did not run this time."""
+    ran = {tuple(r[k] for k in key) for r in new}
+    return new + [r for r in old if tuple(r.get(k) for k in key) not in ran]
 
 
 def yes(value) -> str:

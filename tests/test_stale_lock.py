@@ -181,3 +181,41 @@ def test_only_invocations_that_run_jobs_count(argv, runs):
     from eagle3flow.invocation import runs_jobs
 
     assert runs_jobs(argv) is runs
+
+
+def job_of(run_id: str, wrapper: int, seconds: float) -> subprocess.Popen:
+    """A process of run ``run_id``'s GPU stage whose wrapper is ``wrapper``."""
+    env = {**os.environ, "EAGLE3FLOW_RUN": run_id,
+           "EAGLE3FLOW_JOB": f"{wrapper}:{process_start_ticks(wrapper) or 1}"}
+    return subprocess.Popen(["sleep", str(seconds)], env=env)
+
+
+def test_lock_of_a_killed_run_waits_for_its_exiting_stage(tmp_path, capsys):
+    """A rerun right after a SIGKILL of the whole run: the stage (its wrapper gone) is still
+    exiting. The lock goes once it has ended (no --unlock), not before."""
+    lock = make_lock(tmp_path)
+    record(tmp_path, lock, {**owner_of(dead_pid(), start_ticks=12345), "run_id": "killed-run"})
+    stage = job_of("killed-run", dead_pid(), seconds=2)
+    try:
+        assert clear_stale_lock(tmp_path) is True
+        assert stage.poll() is not None, "removed the lock while the killed run's stage still ran"
+        assert not lock.exists()
+    finally:
+        stage.kill()
+        stage.wait()
+
+
+def test_lock_of_a_dead_run_whose_orphaned_job_runs_is_kept(tmp_path, live, capsys):
+    """Only the Snakemake main process was killed: its job (the wrapper alive) runs on."""
+    lock = make_lock(tmp_path)
+    record(tmp_path, lock, {**owner_of(dead_pid(), start_ticks=12345), "run_id": "orphaning-run"})
+    job = job_of("orphaning-run", live.pid, seconds=120)
+    try:
+        t0 = time.monotonic()
+        assert clear_stale_lock(tmp_path) is False
+        assert time.monotonic() - t0 < 10, "waited for a job that runs on"
+        assert lock.exists()
+        assert f"jobs of that run still run here: pid(s) [{job.pid}]" in capsys.readouterr().err
+    finally:
+        job.kill()
+        job.wait()
