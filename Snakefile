@@ -52,6 +52,8 @@ rule all:
 onstart:
     start_plan()
     start_streaming()
+    # After the disk sampler started: the run's token is for its jobs (rules/common.smk).
+    start_run()
     if DRAIN["enabled"]:
         write_drain_plan()
 

@@ -12,6 +12,8 @@ import pwd
 import subprocess
 from dataclasses import dataclass
 
+from eagle3flow.procfs import start_ticks as process_start_ticks  # noqa: F401 (re-exported)
+
 
 class GpuQueryError(RuntimeError):
     """nvidia-smi is missing or answered something this module cannot read."""
@@ -67,18 +69,6 @@ def gpu_processes(nvidia_smi: str, gpu_indices: list[int] | None = None) -> list
         used_mib = int(float(used)) if used.replace(".", "", 1).isdigit() else 0
         found.append(GpuProcess(pid, index, used_mib))
     return found
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks (tells a pid from a reused one), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # the command name may hold spaces and parentheses: fields follow the last ')'
-            fields = f.read().rsplit(")", 1)[1].split()
-        # a zombie has ended; only its parent's wait() is missing
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def describe_process(pid: int) -> str:

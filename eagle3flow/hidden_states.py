@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3flow import shards
+from eagle3flow.atomic import write_json
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 
@@ -144,6 +145,65 @@ def weight_files(target_path: Path) -> list[Path]:
                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
+# The target's weights enter the cache key through a cheap fingerprint, not a hash of
+# their content (minutes on a 540 GB checkpoint, single-threaded, inside the drain):
+# per file its size, the sha256 of its safetensors header (tensor names, dtypes, shapes,
+# offsets) and of FINGERPRINT_SAMPLES blocks of FINGERPRINT_BLOCK bytes spread over its
+# data (any retraining changes them), read by a thread pool and remembered by (path,
+# size, mtime, inode). No mtime in the key itself: a copy of the same weights (cp -r, a
+# restore from backup) keeps its fingerprint, so finished shards are never recomputed
+# for it.
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_BLOCK = 1 << 16
+FINGERPRINT_THREADS = 8
+
+
+def weight_file_fingerprint(path: Path) -> dict:
+    """``{"bytes", "header_sha256", "sampled_sha256"}`` of one weight file (a few MiB read)."""
+    size = path.stat().st_size
+    header, data_start = b"", 0
+    with open(path, "rb") as f:
+        if path.name.endswith(".safetensors") and size >= 8:
+            length = int.from_bytes(f.read(8), "little")
+            if 0 < length <= min(size - 8, 1 << 30):
+                header, data_start = f.read(length), 8 + length
+        sampled = hashlib.sha256()
+        span = max(0, size - data_start - FINGERPRINT_BLOCK)
+        for k in range(FINGERPRINT_SAMPLES):
+            f.seek(data_start + (span * k // max(1, FINGERPRINT_SAMPLES - 1) if span else 0))
+            sampled.update(f.read(FINGERPRINT_BLOCK))
+    return {"bytes": size, "header_sha256": hashlib.sha256(header).hexdigest() if header else None,
+            "sampled_sha256": sampled.hexdigest()}
+
+
+def target_weights_fingerprint(target_path: Path, cache_root: Path) -> list[list]:
+    """``[[file name, bytes, header sha256, sampled sha256], ...]`` of every weight file,
+    in parallel, remembered in ``cache_root/weights_fingerprint.json`` by (path, size,
+    mtime, inode): a rerun only stats the files."""
+    files = weight_files(target_path)
+    memo_file = cache_root / "weights_fingerprint.json"
+    try:
+        with open(memo_file) as f:
+            memo = json.load(f)
+    except (OSError, ValueError):
+        memo = {}
+    stamps = {}
+    for p in files:
+        st = p.stat()
+        stamps[p] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    todo = [p for p in files if (memo.get(str(p.resolve())) or {}).get("stamp") != stamps[p]]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(FINGERPRINT_THREADS, len(todo))) as pool:
+            for p, fp in zip(todo, pool.map(weight_file_fingerprint, todo)):
+                memo[str(p.resolve())] = {"stamp": stamps[p], **fp}
+        write_json(memo_file, memo)
+    out = []
+    for p in files:
+        m = memo[str(p.resolve())]
+        out.append([p.name, m["bytes"], m["header_sha256"], m["sampled_sha256"]])
+    return out
+
+
 def cached_sha256(path: Path, cache_root: Path) -> str:
     """sha256 of a file, remembered by (path, size, mtime, inode) like git's index.
 
@@ -164,7 +224,7 @@ def cached_sha256(path: Path, cache_root: Path) -> str:
         return hit["sha256"]
     digest = shards.sha256_file(path)
     memo[key] = {"stamp": stamp, "sha256": digest}
-    shards.atomic_write_json(memo_file, memo)
+    write_json(memo_file, memo)
     return digest
 
 
@@ -387,7 +447,7 @@ def cached_entry(shard_path: Path, plan: ShardPlan) -> dict | None:
     if entry["num_samples"] != plan.num_samples or entry["num_tokens"] != plan.num_tokens:
         return None
     if not recorded:
-        shards.atomic_write_json(_entry_file(shard_path), entry)
+        write_json(_entry_file(shard_path), entry)
     return entry
 
 
@@ -459,7 +519,7 @@ class Extraction:
     def write_manifest(self) -> dict:
         """Write the manifest (last: it is the rule's declared output) and return it."""
         manifest = self.manifest()
-        shards.atomic_write_json(self.manifest_out, manifest)
+        write_json(self.manifest_out, manifest)
         log(f"{self.tag}: wrote {self.manifest_out}")
         return manifest
 
@@ -510,8 +570,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
         "format": shards.FORMAT, "extractor_version": EXTRACTOR_VERSION,
         "dataset_sha256": cached_sha256(dataset_parquet, cache_root),
         "target_config_sha256": shards.sha256_file(target_path / "config.json"),
-        "target_weights": [[p.name, p.stat().st_size, cached_sha256(p, cache_root)]
-                           for p in weight_files(target_path)],
+        "target_weights_fingerprint": target_weights_fingerprint(target_path, cache_root),
         "aux_layer_ids": aux_layer_ids, "dtype": dtype_name, "device_type": torch_device.type,
         # Batch composition changes padding and so the last bits of the results. The
         # partition count does not enter: partitions share one plan and one cache.
@@ -523,7 +582,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     key = fingerprint(inputs)
     shard_dir = cache_root / key
     shard_dir.mkdir(parents=True, exist_ok=True)
-    shards.atomic_write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
+    write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
     # Checksums of finished shards, several at once (a rerun re-reads every finished shard).
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         found = pool.map(lambda p: cached_entry(shard_dir / shards.shard_name(p.index), p), plan)
@@ -765,7 +824,7 @@ class HFPipeline:
         entry["sha256"] = shards.sha256_file(path)
         # Recorded beside the shard so a resumed run can check the file's bytes, not just its
         # shape (a shard killed before this line gets its entry from the file on resume).
-        shards.atomic_write_json(_entry_file(path), entry)
+        write_json(_entry_file(path), entry)
         self.x.entries[plan.index] = entry
         self._mark("hashed", plan.index)
 
@@ -893,6 +952,15 @@ def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     return run(x, loaded_models)
 
 
+def resolve_backend(device: str) -> str:
+    """extract.backend auto: the vLLM engine (tensor parallel over the node) where this job
+    sees several CUDA devices, else transformers on the one device (or the CPU)."""
+    visible = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    backend = "vllm" if visible > 1 else "hf"
+    log(f"backend auto: {backend} ({visible} CUDA device(s) visible)")
+    return backend
+
+
 def parse_layer_ids(text: str | None) -> list[int] | None:
     if text is None or text.strip().lower() in ("", "auto", "none"):
         return None
@@ -937,14 +1005,18 @@ def main(argv=None) -> None:
     parser.add_argument("--partition", type=int, default=0, help="this job's partition (0-based)")
     parser.add_argument("--partitions", type=int, default=1, help="number of partitions")
     parser.add_argument("--split-name", action="append", default=None)
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf",
-                        help="hf: transformers in this process; vllm: a vLLM engine (eagle3flow/vllm_extract.py)")
+    parser.add_argument("--backend", choices=("auto", "hf", "vllm"), default="hf",
+                        help="hf: transformers in this process (one device); vllm: a vLLM engine "
+                             "(eagle3flow/vllm_extract.py), tensor parallel; auto: vllm when this job "
+                             "sees several CUDA devices, else hf")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="vllm backend: GPUs the target is split over (default: all visible; 1 on CPU)")
     args = parser.parse_args(argv)
     split_names = args.split_name or ["train"] * len(args.dataset)
     if not len(args.dataset) == len(args.manifest) == len(split_names):
         parser.error("give as many --manifest (and --split-name) as --dataset")
+    if args.backend == "auto":
+        args.backend = resolve_backend(args.device)
     vllm_extract = None
     if args.backend == "vllm":  # vLLM itself is imported only when the engine starts
         from eagle3flow import vllm_extract

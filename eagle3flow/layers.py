@@ -8,8 +8,15 @@ Valid ids for a target with ``N`` decoder layers are ``0 <= k <= N-1``.
 SpecForge and the EAGLE-3 paper name the *output* of decoder layer ``i``; their
 default ``[1, N//2-1, N-4]`` is ``[2, N//2, N-3]`` here. Convert with
 :func:`from_layer_outputs` / :func:`to_layer_outputs`, never by hand.
+
+Order: vLLM hands the aux states to the draft in ascending layer order, whatever order
+the config lists them in, so the draft's ``fc`` must be trained on them in that order:
+ids are sorted (and deduplicated) where they enter, at config time
+(:func:`normalize_aux_layer_ids`), with a notice when that changed them.
 """
 from __future__ import annotations
+
+import sys
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -29,16 +36,39 @@ def to_layer_outputs(layer_ids: list[int]) -> list[int]:
     return [int(k) - 1 for k in layer_ids]
 
 
-def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
-    """The configured ids (or the default), checked against the target's depth."""
-    ids = default_aux_layer_ids(num_layers) if configured is None else [int(k) for k in configured]
-    if not ids:
+def normalize_aux_layer_ids(configured: list[int] | None, num_layers: int | None = None,
+                            ) -> tuple[list[int] | None, str | None]:
+    """``(ids, notice)``: the configured ids sorted ascending and deduplicated (what vLLM
+    feeds the draft), and a notice when that changed them; None stays None (the default,
+    already ascending). Refuses an empty list, and ids out of range when ``num_layers``
+    (the target's decoder layers) is known."""
+    if configured is None:
+        return None, None
+    given = [int(k) for k in configured]
+    if not given:
         raise ValueError("extract.aux_layer_ids is empty; EAGLE-3 needs at least one aux layer")
-    bad = [k for k in ids if not 0 <= k <= num_layers - 1]
+    bad = [k for k in given if k < 0 or (num_layers is not None and k > num_layers - 1)]
     if bad:
+        valid = f"0..{num_layers - 1}" if num_layers is not None else ">= 0"
         raise ValueError(
-            f"extract.aux_layer_ids {ids}: {bad} out of range for a target with {num_layers} "
-            f"decoder layers (valid: 0..{num_layers - 1}, id k = input of decoder layer k)")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"extract.aux_layer_ids {ids} has duplicates")
+            f"extract.aux_layer_ids {given}: {bad} out of range"
+            + (f" for a target with {num_layers} decoder layers" if num_layers is not None else "")
+            + f" (valid: {valid}, id k = input of decoder layer k)")
+    ids = sorted(set(given))
+    notice = None
+    if ids != given:
+        notice = (f"extract.aux_layer_ids {given} -> {ids}: vLLM feeds the draft the aux states in "
+                  "ascending layer order (and each layer once), so the draft is trained on them in that "
+                  "order")
+    return ids, notice
+
+
+def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+    """The configured ids (or the default) normalized (sorted, deduplicated, with a
+    notice on stderr when that changed them) and checked against the target's depth."""
+    if configured is None:
+        return default_aux_layer_ids(num_layers)
+    ids, notice = normalize_aux_layer_ids(configured, num_layers)
+    if notice:
+        print(f"layers: {notice}", file=sys.stderr, flush=True)
     return ids

@@ -50,6 +50,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
+
 # `python -m eagle3flow.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
 
@@ -58,7 +60,8 @@ PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
 # Stages in workflow order: rules (prefixes of rule names), GPU or not, the paths
 # (relative to results/ or cache/) whose bytes belong to it.
 STAGES = (
-    ("embedded target", ("build_embedded_target",), False, ("results/embedded",)),
+    ("embedded target", ("build_embedded_target", "build_pretrained_target", "write_builtin_prompts"), False,
+     ("results/embedded", "results/pretrained", "results/prompts")),
     ("prepare dataset", ("prepare_dataset",), False, ("results/dataset",)),
     # Answers come from the live server, before any drain: not a GPU stage of this run.
     ("regenerate", ("regenerate_responses",), False, ("results/regenerate", "cache/regenerate")),
@@ -101,6 +104,24 @@ ASSUMED_FLOPS = {("cpu", "extract"): 2.7e10, ("cpu", "train"): 4.8e10,
 ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0}
 ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
 ASSUMED_SERVER_TOKENS_PER_S = 2000
+# The target's own answers (regenerate.enabled), before any answer exists: an answer
+# fills this fraction of regenerate.max_tokens (measured: SmolLM2-135M, max_tokens 128,
+# ~0.76); then the mean of the answers already in the cache, then the stage's stats.
+ASSUMED_ANSWER_FILL = 0.75
+# Chat template tokens around one prompt + answer (role headers, end-of-turn markers).
+TEMPLATE_TOKENS_PER_TURN = 10
+# The built-in prompts (eagle3flow/builtin_prompts.py): ~1.2 answers per prompt (a fifth
+# have a follow-up turn), ~40 tokens of prompt per answer; the embedded corpus' prompts ~20.
+BUILTIN_ANSWERS_PER_PROMPT = 1.2
+BUILTIN_PROMPT_TOKENS = 40
+EMBEDDED_PROMPT_TOKENS = 20
+# A server the regenerate job starts for a built-in target (no URL): its start-up, and
+# its rate on the CPU build (SmolLM2-135M on 2 cores: ~150 completion tokens/s).
+ASSUMED_SELF_SERVED_STARTUP_S = 60.0
+ASSUMED_SELF_SERVED_CPU_TOKENS_PER_S = 150
+# Rows of a local JSONL dataset read to estimate its prompts and answers per row.
+SAMPLED_ROWS = 2000
+ASSUMED_PRETRAINED_BUILD_S = 60.0
 
 
 @dataclass
@@ -250,9 +271,12 @@ def parse_bytes(value) -> int | None:
 # ----------------------------------------------------------------------------- inputs
 
 def target_config(config: dict, root: Path) -> tuple[dict, str]:
-    """The target's text config and where it came from (the embedded one's shape before it is built)."""
+    """The target's text config and where it came from (a built-in target's shape before
+    it is built: eagle3flow/embedded.py, eagle3flow/pretrained_shape.py)."""
     path = config["target"]["path"]
-    target_dir = Path(path) if path else root / layout(config)["results"] / "embedded" / "target"
+    builtin = (config["target"].get("builtin") or "embedded") if not path else None
+    default_dir = {"embedded": "embedded/target", "smollm2-135m": "pretrained/target"}.get(builtin, "embedded/target")
+    target_dir = Path(path) if path else root / layout(config)["results"] / default_dir
     if not target_dir.is_absolute():
         target_dir = root / target_dir
     cfg_file = target_dir / "config.json"
@@ -267,27 +291,153 @@ def target_config(config: dict, root: Path) -> tuple[dict, str]:
     if path:
         raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
                                 "target's hidden size and layer count")
+    if builtin != "embedded":
+        from eagle3flow.pretrained_shape import SHAPES
+        return dict(SHAPES[builtin]), f"{builtin} shape"
     from eagle3flow.embedded import TargetShape  # light: no torch at import
     shape = asdict(TargetShape())
     return {**shape, "tie_word_embeddings": False, "torch_dtype": "float32"}, "embedded shape"
 
 
+def _sample_jsonl(path: Path) -> dict | None:
+    """Rows, answers per row and prompt characters per answer of a local JSONL dataset,
+    from its first SAMPLED_ROWS rows (scaled to the file by bytes); None when it is not
+    JSONL of messages/conversations/instruction rows."""
+    if not path.is_file() or not path.name.endswith((".jsonl", ".json")):
+        return None
+    rows = answers = prompt_chars = read = 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                read += len(line)
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                turns = row.get("messages") or row.get("conversations")
+                if isinstance(turns, list):
+                    roles = [m.get("role") or {"gpt": "assistant", "human": "user"}.get(m.get("from"), m.get("from"))
+                             for m in turns if isinstance(m, dict)]
+                    n = sum(r == "assistant" for r in roles) + (1 if roles and roles[-1] == "user" else 0)
+                    prompt_chars += sum(len(str(m.get("content") or m.get("value") or ""))
+                                        for m, r in zip(turns, roles) if r != "assistant")
+                elif row.get("instruction") is not None or row.get("prompt") is not None:
+                    n = 1
+                    prompt_chars += len(str(row.get("instruction") or row.get("prompt") or "")) + len(
+                        str(row.get("input") or ""))
+                else:
+                    return None
+                rows += 1
+                answers += n
+                if rows >= SAMPLED_ROWS:
+                    break
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not rows or not answers:
+        return None
+    total = rows * path.stat().st_size / max(read, 1)
+    return {"rows": max(rows, int(total)), "answers_per_row": answers / rows,
+            "prompt_tokens_per_answer": prompt_chars / answers / RAW_BYTES_PER_TOKEN,
+            "exact": read >= path.stat().st_size}
+
+
+def newest_regenerate_cache(config: dict, root: Path) -> Path | None:
+    """This config's regeneration cache directory (the newest fingerprint), if any."""
+    top = root / layout(config)["cache"] / "regenerate"
+    try:
+        dirs = sorted((p for p in top.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return None
+    return dirs[-1] if dirs else None
+
+
+def answer_tokens(config: dict, root: Path) -> tuple[float, int, str]:
+    """(tokens per regenerated answer, answers already made, basis): the stage's stats
+    when it finished, else the mean of the answers in its cache, else regenerate.max_tokens
+    x ASSUMED_ANSWER_FILL."""
+    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json")
+    if stats and stats.get("turns"):
+        return stats["completion_tokens"] / stats["turns"], int(stats["turns"]), "regenerate's stats"
+    cache = newest_regenerate_cache(config, root)
+    tokens = turns = 0
+    if cache is not None:
+        try:
+            with open(cache / "responses.jsonl") as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        tokens += int(entry["completion_tokens"])
+                        turns += len(entry["finish_reasons"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        except OSError:
+            pass
+    if turns:
+        return tokens / turns, turns, f"mean of the {turns:,} answers in {cache.name}'s cache"
+    max_tokens = int(config["regenerate"]["max_tokens"])
+    return (max_tokens * ASSUMED_ANSWER_FILL, 0,
+            f"assumed {ASSUMED_ANSWER_FILL:.0%} of regenerate.max_tokens {max_tokens}")
+
+
+def serving_rate(config: dict, root: Path) -> tuple[float, float, str]:
+    """(completion tokens/s of the target's server, its start-up s, basis): measured by the
+    last regeneration (its stats, or its cache's rate.json while it ran), else assumed."""
+    self_served = (not config["regenerate"].get("base_url") and not os.environ.get("EAGLE3FLOW_REGENERATE_URL")
+                   and not config["target"]["path"])
+    startup = ASSUMED_SELF_SERVED_STARTUP_S if self_served else 0.0
+    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
+    sent = stats.get("sent") or {}
+    if sent.get("completion_tokens") and sent.get("tokens_per_s"):
+        return float(sent["tokens_per_s"]), startup, "measured by the last regeneration"
+    cache = newest_regenerate_cache(config, root)
+    rate = _read_json(cache / "rate.json") if cache is not None else None
+    if rate and rate.get("completion_tokens") and rate.get("seconds"):
+        return rate["completion_tokens"] / rate["seconds"], startup, "measured while answering (cache)"
+    if self_served and config["resources"]["gpus"] == 0:
+        return float(ASSUMED_SELF_SERVED_CPU_TOKENS_PER_S), startup, "assumed (the CPU build serving the target)"
+    return float(ASSUMED_SERVER_TOKENS_PER_S), startup, "assumed from the server"
+
+
+def _read_json(path: Path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def workload(config: dict, root: Path) -> dict:
-    """Samples and tokens per split (after max_length), and where the numbers came from."""
+    """Samples and tokens per split (after max_length), and where the numbers came from.
+
+    With regeneration (regenerate.enabled) the dataset is the prompts with the target's
+    answers, not the file's: prompts x answers per prompt x (prompt + answer tokens),
+    the answer length from :func:`answer_tokens`. ``regenerate`` then says how many
+    answers are still to be generated and how many tokens they are."""
     results = root / layout(config)["results"]
     stats_file = results / "dataset" / "stats.json"
+    regen = bool((config.get("regenerate") or {}).get("enabled"))
     if stats_file.is_file():
         with open(stats_file) as f:
             splits = json.load(f)["splits"]
-        return {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
-                "train_samples": int(splits["train"]["samples"]),
-                "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file)}
+        out = {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
+               "train_samples": int(splits["train"]["samples"]),
+               "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file)}
+        if regen:
+            out["regenerate"] = {"answers_to_make": 0, "answer_tokens_to_make": 0}
+        return out
     ds = config["dataset"]
     max_samples = ds.get("max_samples")
-    if ds["path"] is None:
+    builtin_target = config["target"]["path"] is None and (config["target"].get("builtin") or "embedded")
+    shape = None      # (rows, answers per row, prompt tokens per answer) when regenerating
+    if ds["path"] is None and builtin_target not in (None, "embedded"):
+        samples = int(ds["builtin_prompts"])
+        shape = (samples, BUILTIN_ANSWERS_PER_PROMPT, BUILTIN_PROMPT_TOKENS)
+        basis = f"estimate: {samples} built-in prompts"
+        tokens = samples * BUILTIN_ANSWERS_PER_PROMPT * BUILTIN_PROMPT_TOKENS
+    elif ds["path"] is None:
         conversations = config["embedded"]["max_conversations"]
         tokens = conversations * EMBEDDED_TOKENS_PER_CONVERSATION
         samples = conversations
+        shape = (samples, 1.0, EMBEDDED_PROMPT_TOKENS)
         basis = f"estimate: {conversations} embedded conversations x {EMBEDDED_TOKENS_PER_CONVERSATION} tokens"
     else:
         src = Path(ds["path"]) if Path(ds["path"]).is_absolute() else root / ds["path"]
@@ -299,13 +449,34 @@ def workload(config: dict, root: Path) -> dict:
         tokens = raw / RAW_BYTES_PER_TOKEN
         samples = max(1, int(tokens / 500))
         basis = f"estimate: {format_bytes(raw)} of raw data / {RAW_BYTES_PER_TOKEN} bytes per token"
-    if max_samples and max_samples < samples:
+        sampled = _sample_jsonl(src) if regen else None
+        if sampled:
+            samples = sampled["rows"]
+            shape = (samples, sampled["answers_per_row"], sampled["prompt_tokens_per_answer"])
+            basis = (f"estimate: {samples:,} rows of {src.name}" + ("" if sampled["exact"] else " (sampled)"))
+    regen_info = None
+    if regen and shape is not None:
+        rows, per_row, prompt_tokens = shape
+        if max_samples and max_samples < rows:
+            rows = samples = max_samples
+        answer, made, answer_basis = answer_tokens(config, root)
+        answers = rows * per_row
+        tokens = answers * (prompt_tokens + answer + TEMPLATE_TOKENS_PER_TURN)
+        basis += (f" x {per_row:.2f} answers x ({prompt_tokens:.0f} prompt + {answer:.0f} answer + "
+                  f"{TEMPLATE_TOKENS_PER_TURN} template tokens; answers: {answer_basis})")
+        regen_info = {"answers": answers, "answers_to_make": max(0.0, answers - made),
+                      "answer_tokens": answer, "answer_tokens_to_make": max(0.0, answers - made) * answer,
+                      "answer_basis": answer_basis}
+    elif max_samples and max_samples < samples:
         tokens, samples = tokens * max_samples / samples, max_samples
     tokens = min(tokens, samples * ds["max_length"])
     eval_tokens = tokens * ds["eval_fraction"]
     eval_samples = int(samples * ds["eval_fraction"])
-    return {"train_tokens": int(tokens - eval_tokens), "eval_tokens": int(eval_tokens),
-            "train_samples": samples - eval_samples, "eval_samples": eval_samples, "basis": basis}
+    out = {"train_tokens": int(tokens - eval_tokens), "eval_tokens": int(eval_tokens),
+           "train_samples": samples - eval_samples, "eval_samples": eval_samples, "basis": basis}
+    if regen_info:
+        out["regenerate"] = regen_info
+    return out
 
 
 def aux_layer_count(config: dict, target: dict) -> int:
@@ -407,10 +578,28 @@ def target_params(target: dict) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- throughputs
 
+def extract_backend(config: dict) -> str:
+    """The extraction backend that will run: extract.backend, with auto resolved as the job
+    does (eagle3flow/hidden_states.py resolve_backend): vllm where the node has several GPUs."""
+    ext = config["extract"]
+    backend = ext.get("backend") or "auto"
+    if backend == "auto":
+        backend = "vllm" if config["resources"]["gpus"] > 1 and uses_gpu(config, ext.get("device", "auto")) else "hf"
+    return backend
+
+
+def extract_devices(config: dict) -> int:
+    """Devices the extraction runs on: the node's GPUs with vLLM (tensor parallel), one with
+    transformers (the HF backend loads the target on one device)."""
+    gpus = int(config["resources"]["gpus"])
+    return gpus if extract_backend(config) == "vllm" else min(gpus, 1)
+
+
 def profile_key(config: dict) -> str:
-    """What throughputs are comparable across: the GPU count and the stages' devices."""
+    """What throughputs are comparable across: the GPU count, the stages' devices, the
+    extraction backend."""
     return (f"gpus={config['resources']['gpus']},extract={config['extract'].get('device', 'auto')},"
-            f"train={config['train'].get('device', 'auto')}")
+            f"train={config['train'].get('device', 'auto')},backend={extract_backend(config)}")
 
 
 def _benchmark_seconds(path: Path) -> float | None:
@@ -511,14 +700,6 @@ def record_throughputs(config: dict, root: Path) -> None:
     write_json(path, data)
 
 
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------- projection
 
 def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
@@ -550,8 +731,11 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
 
     measured = measured_throughputs(config, root)
     recorded = recorded_throughputs(config, root)
-    figures = benchmark_figures(root, gpus)
+    # Per stage, the devices it runs on: extraction with the HF backend loads the target on one.
+    devices = {"extract": extract_devices(config), "train": gpus}
+    figures = {stage: benchmark_figures(root, n).get(stage) for stage, n in devices.items()}
     seconds_of = {**measured["seconds"], **recorded.get("seconds", {})}
+    backend = extract_backend(config)
 
     def rate(stage: str, flops_per_token: float) -> tuple[float, str]:
         key = f"{stage}_tokens_per_s"
@@ -559,10 +743,12 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
             return recorded[key], f"last run ({profile_key(config)})"
         if key in measured:
             return measured[key], "last run in results/"
-        if stage in figures:
-            return figures[stage][0], f"benchmarks/{figures[stage][1]}"
-        flops = ASSUMED_FLOPS[(device_class, stage)] * max(gpus, 1)
-        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s"
+        on = (f" on {devices[stage]} GPU(s)" + (f", {backend} backend" if stage == "extract" else "")
+              if gpus else "")
+        if figures.get(stage):
+            return figures[stage][0], f"benchmarks/{figures[stage][1]}{on}"
+        flops = ASSUMED_FLOPS[(device_class, stage)] * max(devices[stage], 1)
+        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on}"
 
     def scaled_seconds(rule: str, now_tokens: float, fallback: float, fallback_basis: str):
         """A small stage's seconds from its last benchmark, scaled by tokens when known."""
@@ -576,16 +762,25 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     proj: dict[str, tuple[int, str, float, str]] = {}
     emb = config["embedded"]
     using_embedded = config["target"]["path"] is None or config["dataset"]["path"] is None
-    if using_embedded:
+    builtin = config["target"].get("builtin") or "embedded"
+    if config["target"]["path"] is None and builtin != "embedded":
+        s, sb = scaled_seconds("build_pretrained_target", 0, ASSUMED_PRETRAINED_BUILD_S, "assumed")
+        proj["embedded target"] = (total_params * 4 + samples * 300, f"{builtin}: {total_params / 1e6:.0f}M "
+                                   "fp32 params + the built-in prompts", s, sb)
+    elif using_embedded:
         emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
         b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
         s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_S_PER_STEP,
                                f"assumed {EMBEDDED_BUILD_S_PER_STEP}s/step")
         proj["embedded target"] = (b, f"{total_params / 1e6:.1f}M fp32 params + conversations", s, sb)
     if (config.get("regenerate") or {}).get("enabled"):
-        proj["regenerate"] = (int(tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN * 2), "new answers (JSONL)",
-                              *scaled_seconds("regenerate_responses", tokens, tokens / ASSUMED_SERVER_TOKENS_PER_S,
-                                              f"assumed {ASSUMED_SERVER_TOKENS_PER_S:,} tokens/s from the server"))
+        regen = work.get("regenerate") or {}
+        serve_rate, startup, rate_basis = serving_rate(config, root)
+        to_make = float(regen.get("answer_tokens_to_make", tokens))
+        seconds = (to_make / serve_rate + startup) if to_make else 0.0
+        proj["regenerate"] = (int(tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN * 2), "new answers (JSONL)", seconds,
+                              f"{to_make:,.0f} answer tokens still to generate at {serve_rate:,.0f} tokens/s "
+                              f"({rate_basis})" + (f" + {startup:.0f}s start-up" if startup and to_make else ""))
     s, sb = scaled_seconds("prepare_dataset", tokens, ASSUMED_SECONDS["prepare dataset"], "assumed")
     proj["prepare dataset"] = (int(tokens * PARQUET_BYTES_PER_TOKEN) + samples * 300,
                                f"{tokens:,} tokens x {PARQUET_BYTES_PER_TOKEN} B + prompts", s, sb)
@@ -728,10 +923,11 @@ def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, 
     return plan
 
 
-def streaming_chain(config: dict, root: str | os.PathLike):
-    """The chain the workflow streams (eagle3flow.streaming.Chain), or None: read by
-    rules/streaming.smk when the workflow is read."""
-    plan, _ = try_project(config, root, quiet=True)
+def streaming_chain(config: dict, root: str | os.PathLike, plan: "Plan | None" = None):
+    """The chain the workflow streams (eagle3flow.streaming.Chain), or None, from the plan
+    made when the workflow is read (made here when not given)."""
+    if plan is None:
+        plan, _ = try_project(config, root, quiet=True)
     if plan is None or "streaming" not in plan.workload:
         return None
     from eagle3flow.streaming import Chain
@@ -739,15 +935,22 @@ def streaming_chain(config: dict, root: str | os.PathLike):
     return Chain(s["partitions"], s["epochs"], s["in_flight"], s["part_bytes"])
 
 
-def check_when_read(config: dict, root: str | os.PathLike) -> str | None:
-    """When the workflow is read: the budget refusal of the whole run, or None.
+def plan_when_read(config: dict, root: str | os.PathLike, quiet: bool = False):
+    """When the workflow is read: (the plan of the whole run or None, its budget refusal or
+    None), projected once for everything the Snakefile needs (the refusal, the streaming
+    chain). Reads files only.
 
     Under ``python -m eagle3flow.plan`` ($PLAN_CONFIG_ENV set) the resolved config
     (profile, --config, schema defaults) is also handed back through that file.
     """
     if os.environ.get(PLAN_CONFIG_ENV):
         write_json(Path(os.environ[PLAN_CONFIG_ENV]), config)
-    return try_project(config, root)[1]
+    return try_project(config, root, quiet=quiet)
+
+
+def check_when_read(config: dict, root: str | os.PathLike) -> str | None:
+    """When the workflow is read: the budget refusal of the whole run, or None."""
+    return plan_when_read(config, root)[1]
 
 
 def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] | None = None,
@@ -768,7 +971,9 @@ def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] 
 
 def stage_outputs_exist(name: str, results: Path) -> bool:
     """Without Snakemake's DAG: a stage counts as done when its last declared output exists."""
-    marker = {"embedded target": "embedded/build_stats.json", "prepare dataset": "dataset/stats.json",
+    if name == "embedded target":
+        return (results / "embedded/build_stats.json").is_file() or (results / "pretrained/target/config.json").is_file()
+    marker = {"regenerate": "regenerate/stats.json", "prepare dataset": "dataset/stats.json",
               "extract": "hidden_states/eval/manifest.json", "vocab": "vocab/stats.json",
               "train": "train/eval.json", "export": "draft/model.safetensors",
               "evaluate": "eval/summary.json", "report": "report/report.json"}.get(name)

@@ -1,5 +1,18 @@
-"""Process ancestry from /proc (Linux)."""
+"""Processes from /proc (Linux): ancestry, identity, environment.
+
+A pid alone names nothing durable: it is reused, means another process in another pid
+namespace, and nothing after a reboot. An *identity* (:func:`identity`) is the host,
+the boot id, the pid namespace, the pid and its start time in clock ticks; with it
+:func:`verdict` can tell "this process is provably dead" from "alive" and from
+"cannot be told from here" (another host, another pid namespace).
+"""
 from __future__ import annotations
+
+import getpass
+import os
+import socket
+import time
+from pathlib import Path
 
 
 def parent_pid(pid: int) -> int | None:
@@ -19,3 +32,101 @@ def ancestor_chain(pid: int) -> list[int]:
         chain.append(pid)
         pid = parent_pid(pid)
     return chain
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid from a reused
+    one); None when it is gone (or a zombie: it has ended, only its parent's wait() is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's random id (a new one after every reboot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def pid_namespace(pid: int | str = "self") -> int | None:
+    """The inode of the process's pid namespace (equal for processes that see the same pids)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def boot_time() -> float | None:
+    """When this boot started (unix time), from /proc/stat's btime."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def identity(pid: int | None = None) -> dict:
+    """What names process ``pid`` (default: this one) durably, for records others check."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "boot_id": boot_id(),
+            "pid_ns": pid_namespace(pid if pid != os.getpid() else "self"), "pid": pid,
+            "start_ticks": start_ticks(pid), "user": getpass.getuser(), "started_at": time.time()}
+
+
+def verdict(record: dict) -> tuple[str, str]:
+    """("dead" | "alive" | "unknown", why) for a process :func:`identity` recorded.
+
+    Dead only when provable from here: same host and another boot (it died with the
+    reboot), or same host, boot and pid namespace and the pid is gone or now belongs to
+    a process started at another time."""
+    details = ([f"user {record['user']}"] if record.get("user") else []) + (
+        [f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['started_at']))}"]
+        if record.get("started_at") else [])
+    who = f"pid {record.get('pid')} on {record.get('host')}" + (f" ({', '.join(details)})" if details else "")
+    if record.get("host") != socket.gethostname():
+        return "unknown", f"{who}: another host; check there whether it still runs"
+    if record.get("boot_id") and record.get("boot_id") != boot_id():
+        return "dead", f"{who}: died with the reboot (another boot id)"
+    if record.get("pid_ns") is not None and record.get("pid_ns") != pid_namespace("self"):
+        return "unknown", f"{who}: another pid namespace (a container?); check there whether it still runs"
+    pid = record.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return "unknown", f"{who}: no pid recorded"
+    now = start_ticks(pid)
+    if now is None:
+        return "dead", f"{who}: gone"
+    if record.get("start_ticks") is not None and now != record["start_ticks"]:
+        return "dead", f"{who}: gone (the pid now belongs to another process)"
+    if record.get("start_ticks") is None:
+        return "unknown", f"{who}: a process with that pid runs; no start time recorded to tell"
+    return "alive", f"{who}: is alive"
+
+
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with, or None when it cannot be read
+    (another user's process, gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live processes (zombies excluded) started with ``name=value`` in their environment:
+    inherited by every descendant, through reparenting and setsid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        env = environ(int(entry))
+        if env is not None and env.get(name) == value and start_ticks(int(entry)) is not None:
+            found.append(int(entry))
+    return sorted(found)

@@ -70,6 +70,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3flow.atomic import write_json
 from eagle3flow.config import schema_defaults
 from eagle3flow.progress import Progress
 
@@ -386,6 +387,20 @@ def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict) -> str:
 
 # ---------------------------------------------------------------- the stage
 
+# The serving rate measured while answering, in the cache (the plan projects the rest of
+# an interrupted regeneration from it): rewritten at most every RATE_EVERY_S seconds.
+RATE_FILE = "rate.json"
+RATE_EVERY_S = 5.0
+
+
+def _write_rate(cache_dir: Path, completion_tokens: int, seconds: float) -> None:
+    try:
+        write_json(cache_dir / RATE_FILE, {"completion_tokens": completion_tokens,
+                                           "seconds": round(seconds, 2), "at": time.time()}, indent=None)
+    except OSError:
+        pass
+
+
 def _resolve(cfg: dict | None) -> dict:
     cfg = {**DEFAULTS, **(cfg or {})}
     unknown = set(cfg) - set(DEFAULTS)
@@ -433,7 +448,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     counters = {"retries": 0, "completion_tokens": 0}
     lock, stop = threading.Lock(), threading.Event()
     progress = Progress("regenerate", len(todo), "conversations", interval=progress_interval)
-    t_send = time.monotonic()
+    t_send, rate_written = time.monotonic(), 0.0
     allowed_failures = cfg["max_failed_fraction"] * total
     pending: dict = {}
     pool = ThreadPoolExecutor(max_workers=cfg["max_concurrency"], thread_name_prefix="regenerate")
@@ -463,6 +478,9 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
                     cache.add(entry)
                     counters["completion_tokens"] += entry["completion_tokens"]
                 elapsed = max(time.monotonic() - t_send, 1e-9)
+                if elapsed - rate_written >= RATE_EVERY_S:
+                    rate_written = elapsed
+                    _write_rate(cache_dir, counters["completion_tokens"], elapsed)
                 progress.update(1, extra=f"{counters['completion_tokens'] / elapsed:,.0f} tokens/s, "
                                          f"{len(failures)} failed, {counters['retries']} retries")
     finally:

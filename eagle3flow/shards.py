@@ -40,7 +40,6 @@ import torch
 
 from eagle3flow.atomic import replacing, write_json, write_text
 
-atomic_write_json = write_json  # the name hidden_states still calls
 from safetensors import safe_open
 
 FORMAT = "eagle3flow.hidden_states.v1"

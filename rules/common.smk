@@ -1,11 +1,33 @@
 import json
 import os
+from pathlib import Path
 
-from eagle3flow.stale_lock import clear_stale_lock
+from eagle3flow.invocation import runs_jobs
+from eagle3flow.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
-# A rerun after a kill continues instead of asking for --unlock (see stale_lock.py).
-if workflow.is_main_process:
+# Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
+# nothing; eagle3flow/invocation.py). Jobs that re-read the workflow never act either.
+RUNS_JOBS = workflow.is_main_process and runs_jobs()
+# This run's token: onstart puts it in Snakemake's environment, so every job and what it
+# starts carries it (eagle3flow/service.py: the drain and the watchdog tell runs apart by it).
+RUN_ENV = "EAGLE3FLOW_RUN"
+RUN_ID = None
+if RUNS_JOBS:
+    from eagle3flow.service import run_id_of
+
+    RUN_ID = run_id_of(os.getpid())
+    # A rerun after a kill on this host continues instead of asking for --unlock, when
+    # the lock provably belongs to that dead run (see stale_lock.py).
     clear_stale_lock(os.getcwd())
+
+
+def start_run():
+    """onstart (Snakemake holds its locks now): name this run as their owner, and give
+    every job this run's token."""
+    record_owner(os.getcwd(), snakemake_lock_files(workflow), run_id=RUN_ID,
+                 local_exec=not workflow.non_local_exec)
+    if RUN_ID:
+        os.environ[RUN_ENV] = RUN_ID
 
 RESULTS = config["paths"]["results"]
 CACHE = config["paths"]["cache"]
@@ -36,6 +58,48 @@ DRAFT_DIRS = {fmt: f"{RESULTS}/draft" + ("" if i == 0 else f"-{fmt}")
 EXTRA_DRAFT_FILES = [f"{path}/{name}" for fmt, path in list(DRAFT_DIRS.items())[1:]
                      for name in ("config.json", "model.safetensors")]
 GPUS = config["resources"]["gpus"]
+
+
+def normalize_aux_layer_ids():
+    """extract.aux_layer_ids as vLLM feeds them to the draft: ascending, each once (with a
+    notice when that changed them), and refused here when out of the target's range,
+    before any job (so before any model loads). Every stage downstream reads them from
+    this config (the extraction, the plan) or from the manifests extraction writes."""
+    import sys
+
+    from eagle3flow import plan as plan_lib
+    from eagle3flow.layers import normalize_aux_layer_ids as normalize
+
+    try:
+        num_layers = int(plan_lib.target_config(config, Path(os.getcwd()))[0]["num_hidden_layers"])
+    except (OSError, KeyError, ValueError):
+        num_layers = None   # a target not on this machine yet: the extraction checks the range
+    ids, notice = normalize(config["extract"]["aux_layer_ids"], num_layers)
+    if notice and workflow.is_main_process:
+        print(f"eagle3flow: {notice}", file=sys.stderr)
+    config["extract"]["aux_layer_ids"] = ids
+
+
+normalize_aux_layer_ids()
+
+
+def gpu_resources(nodes=None):
+    """A GPU rule's resources: every GPU of the node for Snakemake's local scheduling
+    (``gpus``, which the local profiles cap with --resources), and for a cluster the SLURM
+    plugin's ``gpu``/``gpu_model``/``slurm_partition``/--exclusive from the site values
+    in ``resources`` (the b200-slurm profile's workflow.yaml). Rules made with ``use
+    rule ... as`` inherit them, so every GPU job asks for its GPUs."""
+    site = config["resources"]
+    out = {"gpus": GPUS}
+    if nodes is not None:
+        out["nodes"] = nodes
+    if site.get("gpu_partition") and GPUS > 0:
+        out.update(slurm_partition=site["gpu_partition"], gpu=GPUS)
+        if site.get("gpu_model"):
+            out["gpu_model"] = site["gpu_model"]
+        if site.get("gpu_exclusive", True):
+            out["slurm_extra"] = "'--exclusive'"
+    return out
 
 
 def target_input():

@@ -1,20 +1,21 @@
-# One drain job per GPU stage that has to run (rules/drain_helpers.smk says how).
+# One drain job per GPU job that has to run (rules/drain_helpers.smk says how).
 rule drain_service:
     input:
         unpack(drained_stage_inputs),
     output:
-        flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.flag"),
+        flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.{{key}}.flag"),
     params:
         settings=json_arg("drain"),
         state_dir=lambda wildcards, output: os.path.dirname(output.flag),
         gpus=GPUS,
     wildcard_constraints:
         stage="|".join(DRAINED_STAGES),
+        key=r"[A-Za-z0-9]+",
     localrule: True
     log:
-        f"{LOGS}/drain_service_{{stage}}.log",
+        f"{LOGS}/drain_service_{{stage}}_{{key}}.log",
     benchmark:
-        f"{BENCHMARKS}/drain_service_{{stage}}.tsv"
+        f"{BENCHMARKS}/drain_service_{{stage}}_{{key}}.tsv"
     conda:
         "../envs/service.yaml"
     shell:

@@ -4,10 +4,12 @@
 #
 # One drain job per GPU stage (a temp() flag the stage takes as input): Snakemake
 # schedules it only when that stage has to run, after the stage's other inputs
-# exist, so production stays up while the CPU stages before it run. The stage's
-# EXIT trap restores the unit after the last GPU stage of the run (or a failed
-# one); onsuccess/onerror and a detached watchdog restore it in every other case.
+# exist, so production stays up while the CPU stages before it run. Every GPU rule's
+# one command is eagle3flow.gpu_stage, which runs the stage and hands its real exit
+# status to the drain: the unit comes back after the last GPU stage of the run (or a
+# failed one); onsuccess/onerror and a detached watchdog restore it in every other case.
 import glob
+import shlex
 import sys
 
 from eagle3flow.service import DRAINED_STAGES
@@ -16,47 +18,46 @@ DRAIN = config["drain"]
 SERVICE_DIR = f"{RESULTS}/service"
 
 
-def drain_flag(stage):
-    """The input that makes a GPU stage wait for the drain; nothing when draining is off."""
-    return f"{SERVICE_DIR}/drained_for_{stage}.flag" if DRAIN["enabled"] else []
+def drain_flag(stage, key="all"):
+    """The input that makes a GPU job wait for the drain; nothing when draining is off.
+    One flag per job (``key``: the partition, the streaming link), each made by its own
+    drain job after that job's other inputs exist: a drain that has to run for one job
+    never makes another job of the stage out of date (a consumed streaming partition
+    would be extracted again), and each drain waits for the inputs of its own job."""
+    return f"{SERVICE_DIR}/drained_for_{stage}.{key}.flag" if DRAIN["enabled"] else []
 
 
-def gpu_stage_prelude(stage, log):
-    """Shell put in front of a GPU stage's command.
+def drain_flag_of(stage, wildcard):
+    """drain_flag for a rule whose jobs are told apart by ``wildcard`` (an input function)."""
+    return lambda wildcards: drain_flag(stage, getattr(wildcards, wildcard))
 
-    The stage sees GPUs 0..N-1 numbered as nvidia-smi numbers them (the ones the
-    drain freed); under SLURM the devices it allocated are kept. With draining on,
-    the stage refuses to start on a service that is not drained, and its EXIT trap
-    (success or failure, keeping the stage's exit status) hands the GPUs back.
-    """
-    shell = ""
-    if GPUS > 0:
-        devices = ",".join(str(i) for i in range(GPUS))
-        shell += ('export CUDA_DEVICE_ORDER=PCI_BUS_ID; [ -n "${SLURM_JOB_ID:-}" ] || '
-                  f"export CUDA_VISIBLE_DEVICES={devices}; ")
+
+def gpu_stage(stage):
+    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/gpu_stage.py):
+    ``{gpu_stage} --log {log} -- <the stage's command>``."""
+    command = f"python -m eagle3flow.gpu_stage --stage {stage} --gpus {GPUS}"
     if DRAIN["enabled"]:
-        shell += (
-            f"test -f {SERVICE_DIR}/session.json || {{ echo 'the service is not drained "
-            f"({SERVICE_DIR}/session.json missing): rerun the workflow' >&2; exit 1; }}; "
-            f"trap 'rc=$?; python -m eagle3flow.service stage-ended --state-dir {SERVICE_DIR}"
-            f" --stage {stage} --exit-code $rc 2>&1 | tee -a {log} || true; exit $rc' EXIT; ")
-    return shell
+        command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
+    return command
 
 
 def drained_stage_inputs(wildcards):
-    """The drain waits for the same inputs as its stage (not the flag itself)."""
-    return {"extract_hidden_states": EXTRACT_INPUTS, "train_draft": TRAIN_INPUTS,
-            "evaluate_draft": EVALUATE_INPUTS, **STREAMING_DRAIN_INPUTS}[wildcards.stage]
+    """A drain job waits for the same inputs as its GPU job (not the flag itself)."""
+    fixed = {"extract_hidden_states": EXTRACT_INPUTS, "train_draft": TRAIN_INPUTS,
+             "evaluate_draft": EVALUATE_INPUTS}
+    if wildcards.stage in fixed:
+        return fixed[wildcards.stage]
+    return streaming_drain_inputs(wildcards.stage, wildcards.key)
 
 
 def write_drain_plan():
-    """onstart: record which drained stages this run will run, so that a stage's
-    EXIT trap knows whether the GPUs are needed again or the unit can come back."""
+    """onstart: record the run and which drained stages it will run, so that a stage's
+    end knows whether the GPUs are needed again or the unit can come back."""
     from eagle3flow.service import write_plan
 
     # One entry per job: streaming alternates extraction and training jobs.
     stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
-    write_plan(SERVICE_DIR, sorted(stages), os.getpid())
+    write_plan(SERVICE_DIR, sorted(stages), os.getpid(), run_id=RUN_ID)
 
 
 def restore_service(reason):
@@ -84,8 +85,26 @@ def print_downtime():
         print(f"\n=== service downtime ({SERVICE_DIR}/downtime.json) ===\n{summary}")
 
 
-# A drain flag is only true while its run holds the unit drained: one left behind by
-# a killed run must not let a GPU stage start on a running service.
-if workflow.is_main_process:
-    for _flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
-        os.remove(_flag)
+def drop_stale_drain_flags():
+    """A drain flag is only true while its run holds the unit drained: one left behind by
+    a dead run must not let a GPU stage start on a running service (the stage wrapper
+    refuses then anyway). Only a run does this, and only when no live run holds the
+    session: a dry run or a second terminal changes nothing."""
+    from eagle3flow.service import ServiceError, State, session_verdict
+
+    flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
+    if not flags:
+        return
+    state = State(SERVICE_DIR)
+    try:
+        session = state.read(state.session)
+    except ServiceError:
+        return
+    if session is not None and session_verdict(session)[0] != "dead":
+        return
+    for flag in flags:
+        os.remove(flag)
+
+
+if RUNS_JOBS:
+    drop_stale_drain_flags()

@@ -16,7 +16,7 @@ EVALUATE_INPUTS = dict(
 rule evaluate_draft:
     input:
         **EVALUATE_INPUTS,
-        drained=drain_flag("evaluate_draft"),
+        drained=drain_flag("evaluate_draft", "all"),
     output:
         summary=f"{RESULTS}/eval/summary.json",
     params:
@@ -30,9 +30,9 @@ rule evaluate_draft:
                 or config["train"]["ttt_steps"],
             }
         ),
-        gpu_prelude=gpu_stage_prelude("evaluate_draft", f"{LOGS}/evaluate_draft.log"),
+        gpu_stage=gpu_stage("evaluate_draft"),
     resources:
-        gpus=GPUS,
+        **gpu_resources(),
     log:
         f"{LOGS}/evaluate_draft.log",
     benchmark:
@@ -40,7 +40,7 @@ rule evaluate_draft:
     conda:
         "../envs/vllm.yaml"
     shell:
-        "{params.gpu_prelude}"
-        "python -m eagle3flow.evaluate --draft {params.draft_dir} --target {input.target:q}"
+        "{params.gpu_stage} --log {log} --"
+        " python -m eagle3flow.evaluate --draft {params.draft_dir} --target {input.target:q}"
         " --eval-prompts {input.eval_prompts} --eval-manifest {input.eval_manifest}"
-        " --out {output.summary} --config-json {params.cfg} 2>&1 | tee {log}"
+        " --out {output.summary} --config-json {params.cfg}"

@@ -15,7 +15,7 @@ EXTRACT_PART_MANIFEST = f"{RESULTS}/hidden_states/{{split}}/part-{{part}}-of-{EX
 rule extract_hidden_states:
     input:
         **EXTRACT_INPUTS,
-        drained=drain_flag("extract_hidden_states"),
+        drained=drain_flag_of("extract_hidden_states", "part"),
     output:
         train=EXTRACT_PART_MANIFEST.format(split="train", part="{part}"),
         eval=EXTRACT_PART_MANIFEST.format(split="eval", part="{part}"),
@@ -29,22 +29,22 @@ rule extract_hidden_states:
         cfg=config["extract"],
         tp=f" --tensor-parallel-size {GPUS}" if GPUS > 0 else "",
         data=config["dataset"],
-        gpu_prelude=gpu_stage_prelude(
-            "extract_hidden_states", f"{LOGS}/extract_hidden_states_{{part}}.log"
-        ),
+        gpu_stage=gpu_stage("extract_hidden_states"),
     wildcard_constraints:
         part=r"\d+",
     resources:
-        gpus=GPUS,
+        **gpu_resources(),
     log:
         f"{LOGS}/extract_hidden_states_{{part}}.log",
     benchmark:
         f"{BENCHMARKS}/extract_hidden_states_{{part}}.tsv"
     conda:
-        "../envs/vllm.yaml" if config["extract"]["backend"] == "vllm" else "../envs/train.yaml"
+        # extract.backend auto resolves in the job (vLLM where it sees several GPUs):
+        # the environment is the one the plan expects (eagle3flow/plan.py extract_backend).
+        "../envs/vllm.yaml" if plan_lib.extract_backend(config) == "vllm" else "../envs/train.yaml"
     shell:
-        "{params.gpu_prelude}"
-        "python -m eagle3flow.hidden_states --target {input.target:q} --cache-root {params.cache}"
+        "{params.gpu_stage} --log {log} --"
+        " python -m eagle3flow.hidden_states --target {input.target:q} --cache-root {params.cache}"
         " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
         " --split-name train --dataset {input.train} --manifest {output.train}"
         " --split-name eval --dataset {input.eval} --manifest {output.eval}"
@@ -52,7 +52,7 @@ rule extract_hidden_states:
         " --device {params.cfg[device]} --backend {params.cfg[backend]}{params.tp}"
         " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
         " --max-length {params.data[max_length]} --length-policy {params.data[length_policy]}"
-        "{params.layers} 2>&1 | tee {log}"
+        "{params.layers}"
 
 
 # Reads N small JSON files: runs where Snakemake runs, never as a cluster job.

@@ -13,11 +13,11 @@ from eagle3flow import plan as plan_lib
 PLAN_DIR = f"{RESULTS}/plan"
 PLAN_STATE = {}
 
-if workflow.is_main_process:
-    # Without the DAG yet: judged as a whole run, from the files that exist.
-    _refusal = plan_lib.check_when_read(config, os.getcwd())
-    if _refusal:
-        raise WorkflowError(_refusal)
+# Without the DAG yet: judged as a whole run, from the files that exist; projected once
+# (the streaming chain comes from the same plan: rules/streaming_helpers.smk).
+PLAN_WHEN_READ, _refusal = plan_lib.plan_when_read(config, os.getcwd(), quiet=not workflow.is_main_process)
+if workflow.is_main_process and _refusal:
+    raise WorkflowError(_refusal)
 
 
 def start_plan():

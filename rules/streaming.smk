@@ -17,15 +17,13 @@ if STREAM is not None:
     use rule extract_hidden_states as extract_partition with:
         input:
             **EXTRACT_INPUTS,
-            drained=drain_flag("extract_partition"),
+            drained=drain_flag_of("extract_partition", "link"),
             after=extraction_gate,
         output:
             train=temp(stream_part_pattern("train")),
             eval=temp(stream_part_pattern("eval")),
         params:
-            gpu_prelude=gpu_stage_prelude(
-                "extract_partition", f"{LOGS}/extract_partition_{{wildcards.link}}_{{wildcards.part}}.log"
-            ),
+            gpu_stage=gpu_stage("extract_partition"),
         wildcard_constraints:
             link=r"\d+",
             part=r"\d+",
@@ -72,7 +70,7 @@ if STREAM is not None:
     rule train_partition:
         input:
             unpack(lambda wildcards: link_inputs(int(wildcards.link))),
-            drained=drain_flag("train_partition"),
+            drained=drain_flag_of("train_partition", "link"),
         output:
             consumed=f"{STREAM_DIR}/consumed-{{link}}.json",
         params:
@@ -80,13 +78,12 @@ if STREAM is not None:
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
             launch=STREAM_LAUNCH,
-            gpu_prelude=gpu_stage_prelude("train_partition", f"{LOGS}/train_partition_{{wildcards.link}}.log"),
+            gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
             # Links consumed by earlier runs are no jobs of this one (STREAM_CONSUMED).
             link="|".join(str(j) for j in range(STREAM_LAST) if j not in STREAM_CONSUMED) or "none",
         resources:
-            gpus=GPUS,
-            nodes=config["train"]["nodes"],
+            **gpu_resources(nodes=config["train"]["nodes"]),
         log:
             f"{LOGS}/train_partition_{{link}}.log",
         benchmark:
@@ -101,7 +98,7 @@ if STREAM is not None:
         input:
             **link_inputs(STREAM_LAST),
             eval=f"{RESULTS}/hidden_states/eval/manifest.json",
-            drained=drain_flag("train_partition_last"),
+            drained=drain_flag("train_partition_last", "last"),
         output:
             weights=f"{RESULTS}/train/draft.safetensors",
             draft_config=f"{RESULTS}/train/draft_config.json",
@@ -113,10 +110,9 @@ if STREAM is not None:
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
             launch=STREAM_LAUNCH,
-            gpu_prelude=gpu_stage_prelude("train_partition_last", f"{LOGS}/train_partition_{STREAM_LAST}.log"),
+            gpu_stage=gpu_stage("train_partition_last"),
         resources:
-            gpus=GPUS,
-            nodes=config["train"]["nodes"],
+            **gpu_resources(nodes=config["train"]["nodes"]),
         log:
             f"{LOGS}/train_partition_{STREAM_LAST}.log",
         benchmark:

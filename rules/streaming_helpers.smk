@@ -2,7 +2,7 @@
 from eagle3flow import streaming as streaming_lib
 
 # The chain (eagle3flow.streaming.Chain) when the budget makes this run stream, else None.
-STREAM = plan_lib.streaming_chain(config, os.getcwd())
+STREAM = plan_lib.streaming_chain(config, os.getcwd(), PLAN_WHEN_READ)
 STREAM_DIR = f"{RESULTS}/streaming"
 STREAM_PART = (
     f"{RESULTS}/hidden_states/stream/link-{{link}}/{{split}}-part-{{part}}-of-{{partitions}}.json"
@@ -20,11 +20,11 @@ STREAM_LAUNCH = (
     f" --device {config['train']['device']}"
 )
 STREAM_TRAIN_SHELL = (
-    "{params.gpu_prelude}"
-    "python -m eagle3flow.streaming train-link {params.link_args}"
+    "{params.gpu_stage} --log {log} --"
+    " python -m eagle3flow.streaming train-link {params.link_args}"
     " --train-manifest {input.train} --stats {input.stats} --vocab-map {input.vocab_map}"
     " --target {input.target:q} --cache-root {params.cache} --config-json {params.cfg}"
-    " --marker {output.consumed} --launch={params.launch:q} 2>&1 | tee {log}"
+    " --marker {output.consumed} --launch={params.launch:q}"
 )
 
 
@@ -85,13 +85,11 @@ def link_args(link):
     return args
 
 
-# The drain of each streaming GPU stage waits for the inputs of its first job.
-STREAMING_DRAIN_INPUTS = (
-    dict(
-        extract_partition=EXTRACT_INPUTS,
-        train_partition=link_inputs(0),
-        train_partition_last=link_inputs(STREAM_LAST),
-    )
-    if STREAM is not None
-    else {}
-)
+def streaming_drain_inputs(stage, key):
+    """The inputs of the streaming GPU job a drain job is for (its flag's key: the link)."""
+    if stage == "extract_partition":
+        link = int(key)
+        return {**EXTRACT_INPUTS, "after": consumed_input(STREAM.waits_for(link))}
+    if stage == "train_partition":
+        return link_inputs(int(key))
+    return {**link_inputs(STREAM_LAST), "eval": f"{RESULTS}/hidden_states/eval/manifest.json"}

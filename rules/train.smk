@@ -12,7 +12,7 @@ TRAIN_INPUTS = dict(
 rule train_draft:
     input:
         **TRAIN_INPUTS,
-        drained=drain_flag("train_draft"),
+        drained=drain_flag("train_draft", "all"),
     output:
         weights=f"{RESULTS}/train/draft.safetensors",
         draft_config=f"{RESULTS}/train/draft_config.json",
@@ -22,14 +22,13 @@ rule train_draft:
         out_dir=lambda wildcards, output: os.path.dirname(output.weights),
         cache=f"{CACHE}/train",
         cfg=json_arg("train"),
-        gpu_prelude=gpu_stage_prelude("train_draft", f"{LOGS}/train_draft.log"),
+        gpu_stage=gpu_stage("train_draft"),
         launch=(
             f"--nproc {config['train']['nproc'] or 'auto'} --nodes {config['train']['nodes']}"
             f" --device {config['train']['device']}"
         ),
     resources:
-        gpus=GPUS,
-        nodes=config["train"]["nodes"],
+        **gpu_resources(nodes=config["train"]["nodes"]),
     log:
         f"{LOGS}/train_draft.log",
     benchmark:
@@ -37,8 +36,8 @@ rule train_draft:
     conda:
         "../envs/train.yaml"
     shell:
-        "{params.gpu_prelude}"
-        "python -m eagle3flow.launch {params.launch} eagle3flow.train --"
+        "{params.gpu_stage} --log {log} --"
+        " python -m eagle3flow.launch {params.launch} eagle3flow.train --"
         " --train-manifest {input.train} --eval-manifest {input.eval}"
         " --vocab-map {input.vocab_map} --target {input.target:q} --out-dir {params.out_dir}"
-        " --cache-root {params.cache} --config-json {params.cfg} 2>&1 | tee {log}"
+        " --cache-root {params.cache} --config-json {params.cfg}"

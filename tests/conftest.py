@@ -36,3 +36,11 @@ def embedded_default_build(tmp_path_factory) -> Path:
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"embedded build failed:\n{result.stderr[-4000:]}"
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """CI's log shows the fault matrix (tests/test_fault_matrix.py writes it) when it ran."""
+    matrix = sys.modules.get("test_fault_matrix")
+    if matrix is not None and (matrix.ROWS or matrix.DRY_ROWS):
+        terminalreporter.write_sep("=", "fault matrix (tests/fault_matrix.md)")
+        terminalreporter.write_line(matrix.render(matrix.ROWS, matrix.DRY_ROWS))

@@ -16,10 +16,12 @@ def schema() -> dict:
 def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.evaluate import EVAL_DEFAULTS, evaluate
     from eagle3flow.regenerate import DEFAULTS
+    from eagle3flow.service import DEFAULTS as DRAIN_DEFAULTS
     from eagle3flow.train import TRAIN_DEFAULTS, resolve_train_config
 
     sections = schema()["properties"]
-    for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("regenerate", DEFAULTS)):
+    for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("regenerate", DEFAULTS),
+                          ("drain", DRAIN_DEFAULTS)):
         assert used == {k: v.get("default") for k, v in sections[section]["properties"].items()}, section
     assert resolve_train_config({}) == TRAIN_DEFAULTS
     # evaluate()'s own keyword defaults are the schema's too (max_tokens drifted to 64 once)

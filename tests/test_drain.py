@@ -2,8 +2,10 @@
 
 systemd and GPUs cannot run here, so tests/fixtures/service/ puts stand-ins on PATH:
 `systemctl` runs each unit as a real process group (a small HTTP server with
-/health whose worker child "holds" every fake GPU) and exposes its pids as a
-cgroup.procs file; `nvidia-smi` reports which live pid holds which fake GPU. The
+/health whose worker child "holds" every fake GPU, and which, like vLLM, fails to
+start on GPUs another process holds) and exposes its pids as a cgroup.procs file;
+`nvidia-smi` reports which live pid holds which fake GPU (the workflow's own
+extraction/training/evaluation processes hold the devices they see). The
 drain/restore code under test is the production code (eagle3flow/service.py),
 called as the rules call it, and the workflow tests run real Snakemake.
 """
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,8 @@ from test_workflow import BIN, REPO, start_snakemake, workflow_copy
 FIXTURES = Path(__file__).parent / "fixtures" / "service"
 UNIT = "fake-vllm.service"
 NUM_GPUS = 8
+# The workflow's stage programs that hold the fake GPUs they see (fixtures/service/nvidia-smi).
+GPU_PROGRAMS = "eagle3flow.hidden_states:eagle3flow.train:eagle3flow.evaluate"
 
 
 def free_port() -> int:
@@ -47,13 +52,15 @@ class FakeBox:
         (self.gpus / "count").write_text(str(NUM_GPUS))
         self.port = free_port()
         command = [sys.executable, str(FIXTURES / "fake_vllm.py"), "--port", str(self.port),
-                   "--gpu-dir", str(self.gpus), "--gpus", str(NUM_GPUS), "--startup-s", "0.3"]
+                   "--gpu-dir", str(self.gpus), "--gpus", str(NUM_GPUS), "--startup-s", "0.3",
+                   "--broken-if", str(root / "unit-broken")]
         unit = {"exec": command + (["--ignore-sigterm"] if ignore_sigterm else []),
                 "stop_wait_s": 1 if ignore_sigterm else 10, "kill_after_stop_wait": not ignore_sigterm}
         (self.systemd / "units" / f"{UNIT}.json").write_text(json.dumps(unit))
         self.env = {**os.environ, "FAKE_SYSTEMD_DIR": str(self.systemd), "FAKE_GPU_DIR": str(self.gpus),
                     "PATH": f"{FIXTURES}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
-                    "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+                    "FAKE_GPU_PROGRAMS": GPU_PROGRAMS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.env.pop("EAGLE3FLOW_RUN", None)
         self.state_dir = root / "state"
         self.others: list[subprocess.Popen] = []
 
@@ -68,11 +75,26 @@ class FakeBox:
     def systemctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(FIXTURES / "systemctl"), *args], env=self.env, capture_output=True, text=True)
 
-    def service(self, *args: str, **overrides) -> subprocess.CompletedProcess:
+    def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "eagle3flow.service", *args,
                                "--settings-json", json.dumps(self.settings(**overrides)),
                                "--state-dir", str(self.state_dir)],
-                              env=self.env, capture_output=True, text=True, timeout=120)
+                              env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
+
+    def live_run(self, stages: list[str]) -> dict:
+        """A live process standing for this run's Snakemake main process, with the plan
+        onstart writes for it; returns the environment its jobs get (its run token)."""
+        from eagle3flow.service import write_plan
+
+        run = subprocess.Popen(["sleep", "300"])
+        self.others.append(run)
+        write_plan(str(self.state_dir), stages, run.pid)
+        plan = json.loads((self.state_dir / "plan.json").read_text())
+        return {"EAGLE3FLOW_RUN": str(plan.get("run_id"))}
+
+    def session(self) -> dict | None:
+        path = self.state_dir / "session.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def start_unit(self) -> None:
         assert self.systemctl("start", UNIT).returncode == 0
@@ -103,16 +125,29 @@ class FakeBox:
         log = self.systemd / "calls.log"
         return [l for l in log.read_text().splitlines() if l.split()[0] == verb] if log.exists() else []
 
+    def starts(self) -> list[dict]:
+        """Every `systemctl start`, with the GPU holders at that moment."""
+        log = self.systemd / "starts.log"
+        return [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+
+    def break_unit(self, broken: bool = True) -> None:
+        """The unit's next start fails (like vLLM that cannot load) until repaired."""
+        flag = self.root / "unit-broken"
+        flag.touch() if broken else flag.unlink(missing_ok=True)
+
     def downtime(self) -> list[dict]:
         path = self.state_dir / "downtime.json"
         return json.loads(path.read_text()) if path.exists() else []
 
-    def hold_gpu(self, index: int) -> subprocess.Popen:
-        """A foreign process (not the unit's) with a context on fake GPU `index`."""
-        proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None) -> subprocess.Popen:
+        """A process outside the unit with a context on fake GPU(s) `index` for `seconds`
+        (a foreign one, or with a run's `env` one of that run's jobs)."""
+        proc = subprocess.Popen(["sleep", str(seconds)], start_new_session=True,
+                                env={**self.env, **(env or {})})
         self.others.append(proc)
-        (self.gpus / str(index)).mkdir(exist_ok=True)
-        (self.gpus / str(index) / str(proc.pid)).write_text("1200")
+        for i in [index] if isinstance(index, int) else index:
+            (self.gpus / str(i)).mkdir(exist_ok=True)
+            (self.gpus / str(i) / str(proc.pid)).write_text("1200")
         return proc
 
     def close(self) -> None:
@@ -192,6 +227,9 @@ def test_foreign_gpu_process_is_named_and_not_killed(box):
     # A foreign process on a GPU the stage does not use is no obstacle.
     assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "2").returncode == 0
     assert foreign.poll() is None
+    # The unit needs all its GPUs again: it comes back once the foreign process has gone.
+    foreign.kill()
+    foreign.wait()
     assert box.service("restore").returncode == 0
 
 
@@ -231,30 +269,236 @@ def test_unset_or_unknown_unit_is_a_clear_error(box):
 
 
 def test_stage_end_restores_after_the_last_planned_stage_only(box):
-    from eagle3flow.service import write_plan
-
     box.start_unit()
-    run = subprocess.Popen(["sleep", "300"])  # stands for the live Snakemake main process
-    box.others.append(run)
-    write_plan(str(box.state_dir), ["extract_hidden_states", "train_draft"], run.pid)
-    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8").returncode == 0
+    run_env = box.live_run(["extract_hidden_states", "train_draft"])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env).returncode == 0
     ended = lambda stage, rc: subprocess.run(
         [sys.executable, "-m", "eagle3flow.service", "stage-ended", "--state-dir", str(box.state_dir),
-         "--stage", stage, "--exit-code", str(rc)], env=box.env, capture_output=True, text=True, timeout=60)
+         "--stage", stage, "--exit-code", str(rc)], env={**box.env, **run_env}, capture_output=True,
+        text=True, timeout=60)
     result = ended("extract_hidden_states", 0)
     assert "stays down for train_draft" in result.stderr and not box.healthy()
-    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
     assert ended("train_draft", 0).returncode == 0
     assert box.healthy()
     [record] = box.downtime()
     assert record["stages"] == ["extract_hidden_states", "train_draft"]
     assert record["reason"] == "train_draft was the last GPU stage of the run"
+    assert [(j["stage"], j["rc"]) for j in record["ended_jobs"]] == [("extract_hidden_states", 0), ("train_draft", 0)]
 
     # A failed stage hands the GPUs back at once, whatever the plan says.
-    write_plan(str(box.state_dir), ["extract_hidden_states", "train_draft"], run.pid)
-    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8").returncode == 0
+    run_env = box.live_run(["extract_hidden_states", "train_draft"])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env).returncode == 0
     ended("extract_hidden_states", 3)
     assert box.healthy() and box.downtime()[-1]["reason"] == "extract_hidden_states failed (rc=3)"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def status_of(result: subprocess.CompletedProcess) -> dict:
+    """The JSON `python -m eagle3flow.service status` prints first."""
+    return json.JSONDecoder().raw_decode(result.stdout)[0]
+
+
+def test_failed_restore_keeps_the_session_and_names_the_command(box):
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    box.break_unit()
+    result = box.service("restore")
+    assert result.returncode == 1
+    assert f"python -m eagle3flow.service restore --state-dir {box.state_dir}" in result.stderr, result.stderr
+    session = box.session()
+    assert session is not None, "a failed restore dropped the session: nothing would bring the unit back"
+    assert len(session["restore_attempts"]) == 1 and session["restore_attempts"][0]["error"]
+    assert not box.healthy() and box.downtime() == []
+    # Repaired: the command it named brings the unit back and closes the cycle.
+    box.break_unit(False)
+    again = subprocess.run([sys.executable, "-m", "eagle3flow.service", "restore", "--state-dir",
+                            str(box.state_dir)], env=box.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert box.healthy() and box.session() is None
+    [record] = box.downtime()
+    assert record["healthy"] and len(record["restore_attempts"]) == 1
+
+
+def test_restore_waits_until_the_gpus_are_free(box):
+    """The stage's last process still exits when the restore begins: vLLM must not start
+    on GPUs it still holds."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    holder = box.hold_gpu(3, seconds=2)
+    result = box.service("restore")
+    assert result.returncode == 0, result.stderr
+    assert holder.poll() is not None and box.starts()[-1]["gpu_holders"] == []
+    assert box.healthy()
+
+
+def test_watchdog_waits_for_the_jobs_of_the_dead_run_then_restores(box):
+    """Only the Snakemake main process is killed; its training job lives on and holds the
+    GPUs longer than drain.gpu_release_timeout_s."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    run = box.others[-1]
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    job = box.hold_gpu(list(range(NUM_GPUS)), seconds=6, env=run_env)
+    run.kill()
+    run.wait()
+    wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
+    job_end = time.time()
+    assert job.poll() is not None, "restored while the dead run's job still held the GPUs"
+    assert all(not start["gpu_holders"] for start in box.starts()), box.starts()
+    assert box.healthy() and box.session() is None
+    assert box.downtime()[-1]["reason"].startswith("watchdog:")
+    assert job_end > 0
+
+
+def test_drain_for_another_stage_of_the_same_run_leaves_its_gpu_jobs_alone(box):
+    """Streaming with two links in flight: extraction of the next link holds the GPUs
+    while train_partition's drain runs. It is the run's own job: neither foreign nor killed."""
+    box.start_unit()
+    run_env = box.live_run(["extract_partition", "extract_partition", "train_partition"])
+    assert box.service("drain", "--stage", "extract_partition", "--gpus", "8", run_env=run_env).returncode == 0
+    job = box.hold_gpu(list(range(NUM_GPUS)), env=run_env)
+    result = box.service("drain", "--stage", "train_partition", "--gpus", "8", run_env=run_env,
+                         kill_foreign_gpu_processes=True)
+    assert result.returncode == 0, result.stderr
+    assert job.poll() is None, "the workflow's own GPU job was killed as foreign"
+    assert box.session()["stages"] == ["extract_partition", "train_partition"]
+    # A process of no run is still foreign.
+    foreign = box.hold_gpu(2)
+    result = box.service("drain", "--stage", "train_partition_last", "--gpus", "8", run_env=run_env)
+    assert result.returncode == 1 and f"pid {foreign.pid} " in result.stderr, result.stderr
+    assert job.poll() is None and foreign.poll() is None
+
+
+def test_stale_session_of_a_dead_run_is_reconciled_not_reused(box):
+    """After a reboot mid-drain: systemd started the unit again, the session file stayed."""
+    box.start_unit()
+    box.state_dir.mkdir(parents=True)
+    stopped = time.time() - 7200
+    (box.state_dir / "session.json").write_text(json.dumps({
+        "unit": UNIT, "stopped_at": stopped, "stages": ["train_draft"], "ended": [], "was_active": True,
+        "snakemake_pid": dead_pid(), "snakemake_start": 1, "boot_id": "a-previous-boot",
+        "run_id": "dead-run", "settings": box.settings(), "watchdog_pid": None}))
+    status = status_of(box.service("status"))
+    assert status["drained"] is False, status
+    assert "dead" in status["stale_session"]["verdict"] and status["unit_state"]["ActiveState"] == "active"
+
+    run_env = box.live_run(["extract_hidden_states"])
+    t0 = time.time()
+    result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env)
+    assert result.returncode == 0, result.stderr
+    session = box.session()
+    assert session["stopped_at"] >= t0 - 1, "downtime measured from the old session's stop"
+    assert session["watchdog_pid"] and alive(session["watchdog_pid"]), "no watchdog for this drain"
+    [reconciled] = box.downtime()
+    assert "reconciled" in reconciled["reason"] and reconciled["healthy"], reconciled
+    assert reconciled["stopped_at"] == datetime.fromtimestamp(stopped, timezone.utc).isoformat(timespec="seconds")
+    assert box.service("restore", run_env=run_env).returncode == 0
+    assert box.healthy() and len(box.downtime()) == 2
+
+
+def test_stale_session_with_the_unit_down_is_recorded_and_restored(box):
+    """The dead run left the unit down: recorded up to now, and the unit comes back."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    session = box.session()
+    session.update(snakemake_pid=dead_pid(), snakemake_start=1, run_id="dead-run")
+    (box.state_dir / "session.json").write_text(json.dumps(session))
+    status = status_of(box.service("status"))
+    assert status["drained"] is False and "left down" in status["stale_session"]["verdict"], status
+    assert "python -m eagle3flow.service restore" in status["stale_session"]["verdict"]
+    result = box.service("restore")
+    assert result.returncode == 0, result.stderr
+    assert box.healthy() and box.session() is None
+    assert box.downtime()[-1]["healthy"]
+
+
+STAGE_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+for i in range(8):   # holds every fake GPU, like a loaded stage
+    (Path(os.environ["FAKE_GPU_DIR"]) / str(i)).mkdir(exist_ok=True)
+    (Path(os.environ["FAKE_GPU_DIR"]) / str(i) / str(os.getpid())).write_text("2000")
+def stop(signum, frame):
+    print("stage: SIGTERM, releasing the GPUs", flush=True)
+    time.sleep(1.5)             # frees its GPUs while exiting
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+signal.signal(signal.SIGTERM, stop)
+print("stage: running on", os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("EAGLE3FLOW_JOB"), flush=True)
+time.sleep(300)
+"""
+
+
+def test_stage_wrapper_forwards_a_signal_and_records_the_real_status(box, tmp_path):
+    """The job is signalled: the stage gets the signal, the wrapper waits until it has
+    exited (and released its GPUs), the drain records rc 143, not 0, then restores."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft", "evaluate_draft"])
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    log = tmp_path / "stage.log"
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "eagle3flow.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+         "--state-dir", str(box.state_dir), "--log", str(log), "--", sys.executable, "-c", STAGE_CHILD],
+        env={**box.env, **run_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    box.others.append(wrapper)
+    wait_for(lambda: log.exists() and "stage: running on 0,1,2,3,4,5,6,7" in log.read_text(), 60, "the stage")
+    wrapper.send_signal(signal.SIGTERM)
+    assert wrapper.wait(timeout=60) == 128 + signal.SIGTERM
+    [record] = box.downtime()
+    assert record["reason"] == f"train_draft failed (rc={128 + signal.SIGTERM})", record
+    assert record["ended_jobs"][-1]["rc"] == 128 + signal.SIGTERM
+    assert box.healthy() and box.starts()[-1]["gpu_holders"] == [], box.starts()
+    text = log.read_text()
+    assert "stage: SIGTERM, releasing the GPUs" in text and "received SIGTERM" in text
+
+
+def test_sigkilled_stage_wrapper_leaves_no_process_of_the_stage(tmp_path):
+    """SIGKILL of the job (its wrapper): the stage and what the stage started itself (a
+    streaming link runs the trainer as a subprocess) end, instead of training on as
+    orphans next to the rerun."""
+    pid_file = tmp_path / "grandchild"
+    stage = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    wrapper = subprocess.Popen([sys.executable, "-m", "eagle3flow.gpu_stage", "--stage", "train_partition",
+                                "--gpus", "0", "--", sys.executable, "-c", stage],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the stage's subprocess")
+    grandchild = int(pid_file.read_text())
+    wrapper.kill()
+    wrapper.wait()
+    wait_for(lambda: not alive(grandchild), 30, "the stage's subprocess to end")
+
+
+def test_stage_wrapper_refuses_a_stage_the_unit_is_not_drained_for(box, tmp_path):
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    marker = tmp_path / "ran"
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle3flow.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+         "--state-dir", str(box.state_dir), "--", "touch", str(marker)],
+        env={**box.env, **run_env}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "not drained" in result.stderr and not marker.exists()
+    # Drained for another run (a dead one's session): refused too.
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle3flow.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+         "--state-dir", str(box.state_dir), "--", "touch", str(marker)],
+        env={**box.env, "EAGLE3FLOW_RUN": "another-run"}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "another run" in result.stderr and not marker.exists()
+    assert box.service("restore", run_env=run_env).returncode == 0
 
 
 def cpu_only_torch() -> bool:
@@ -398,7 +642,8 @@ def test_workflow_refuses_to_drain_for_a_cpu_only_environment(upstream, tmp_path
         result = run_snakemake(box, workdir, *snakemake_args(workdir, config), "--until", "train_draft")
         output = result.stdout + result.stderr
         assert result.returncode != 0, output[-3000:]
-        log = (workdir / "logs" / "drain_service_extract_hidden_states.log").read_text()
+        # one drain job per GPU job (rules/drain.smk): the first extraction's
+        [log] = [p.read_text() for p in (workdir / "logs").glob("drain_service_extract_hidden_states_*.log")]
         assert_refused_untouched(box, log, calls)
         assert not (workdir / "logs" / "extract_hidden_states_0.log").exists(), "a GPU stage started"
         assert not box.downtime()

@@ -356,3 +356,60 @@ def test_samples_over_the_target_context_follow_the_length_policy(tmp_path, rand
     assert dropped["dropped_samples"] == over and dropped["num_samples"] == 4 - over
     kept = [s["id"] for s in shards.load_manifest(tmp_path / "drop" / "manifest.json").iter_samples()]
     assert kept == [f"sample-{i}" for i, n in enumerate(lengths) if n <= 512]
+
+
+# ----------------------------------------------------------------------------- issue 14
+
+def read_bytes_so_far() -> int:
+    """Bytes this process has read through read() calls (page cache hits included)."""
+    return int(next(line.split()[1] for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("rchar:")))
+
+
+def add_sparse_weight_file(target: Path, gib: int) -> Path:
+    """A valid safetensors file of one `gib` GiB tensor whose data is a hole (no disk used)."""
+    size = gib << 30
+    header = json.dumps({"big.weight": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = target / "model-extra.safetensors"
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + size)
+    return path
+
+
+def test_target_fingerprint_reads_headers_and_samples_not_the_weights(tmp_path, random_llama_target):
+    """A 540 GB checkpoint must not be read (single-threaded, inside the drain) to key the
+    cache: the fingerprint reads each file's header and a few sampled blocks."""
+    target = tmp_path / "target"
+    shutil.copytree(random_llama_target, target)
+    add_sparse_weight_file(target, 4)
+    dataset = write_dataset(tmp_path / "train.parquet", 6)
+    before, t0 = read_bytes_so_far(), time.monotonic()
+    x = hidden_states.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache", device="cpu")
+    read, took = read_bytes_so_far() - before, time.monotonic() - t0
+    assert read < 64 << 20, f"read {read / 2**30:.2f} GiB of weights to fingerprint the target"
+    entry = dict((name, rest) for name, *rest in json.loads((x.shard_dir / "fingerprint.json").read_text())
+                 ["target_weights_fingerprint"])
+    assert entry["model-extra.safetensors"][0] == (target / "model-extra.safetensors").stat().st_size
+    print(f"fingerprint of a 4 GiB target: {took:.2f} s, {read / 2**20:.1f} MiB read")
+
+
+def test_target_fingerprint_follows_the_weights_not_the_copy(tmp_path, random_llama_target):
+    """A copy of the same weights (new mtimes) keeps the cache; other weights do not."""
+    from helpers import make_random_llama
+
+    dataset = write_dataset(tmp_path / "train.parquet", 6)
+    key = lambda target: hidden_states.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache",
+                                               device="cpu").key
+    copy = tmp_path / "copy"
+    shutil.copytree(random_llama_target, copy, copy_function=shutil.copyfile)   # new mtimes
+    assert key(copy) == key(random_llama_target)
+    retrained = make_random_llama(tmp_path / "retrained", seed=1)
+    assert key(retrained) != key(random_llama_target)
+
+
+def test_backend_auto_resolves_to_hf_without_several_gpus():
+    assert hidden_states.resolve_backend("cpu") == "hf"
+    if torch.cuda.device_count() < 2:
+        assert hidden_states.resolve_backend("auto") == "hf"

@@ -191,3 +191,92 @@ def test_plan_cli_prints_every_stage_and_refuses_over_budget(embedded_copy):
                              env=snakemake_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "must stay free" in refused.stderr, refused.stderr
     assert "=== plan" in refused.stdout
+
+
+# ---------------------------------------------------------------- what will actually run (issue 14)
+
+def stage_row(plan, name):
+    return next(s for s in plan.stages if s.name == name)
+
+
+def test_hf_extraction_is_projected_at_one_devices_speed(tmp_path):
+    """The HF backend loads the target on one GPU, however many the drain freed."""
+    on_eight = plan_lib.project(resolved_config(resources={"gpus": 8}, extract={"backend": "hf"}), tmp_path)
+    on_one = plan_lib.project(resolved_config(resources={"gpus": 1}, extract={"backend": "hf"}), tmp_path)
+    assert stage_row(on_eight, "extract").seconds == pytest.approx(stage_row(on_one, "extract").seconds)
+    assert "on 1 GPU(s), hf backend" in stage_row(on_eight, "extract").time_basis
+    # Training is data parallel over every GPU.
+    assert stage_row(on_eight, "train").seconds == pytest.approx(stage_row(on_one, "train").seconds / 8)
+
+
+def test_backend_auto_is_vllm_on_a_multi_gpu_node_and_projected_so(tmp_path):
+    node = resolved_config(resources={"gpus": 8})
+    assert node["extract"]["backend"] == "auto" and plan_lib.extract_backend(node) == "vllm"
+    plan = plan_lib.project(node, tmp_path)
+    assert "on 8 GPU(s), vllm backend" in stage_row(plan, "extract").time_basis
+    assert plan_lib.extract_backend(resolved_config(resources={"gpus": 1})) == "hf"
+    assert plan_lib.extract_backend(resolved_config()) == "hf"          # the CPU
+    assert plan_lib.extract_backend(resolved_config(resources={"gpus": 8}, extract={"device": "cpu"})) == "hf"
+
+
+# The run of the issue: SmolLM2-135M answering 600 built-in prompts (max_tokens 128) on
+# 2 cores: 99,033 train tokens, the regeneration ~7.5 min of the 33 min 49 s.
+MEASURED_TRAIN_TOKENS = 99_033
+MEASURED_REGENERATE_S = 450
+
+
+def smollm2_config(**sections) -> dict:
+    profile = yaml.safe_load((REPO / "profiles" / "smollm2" / "workflow.yaml").read_text())
+    profile["dataset"]["builtin_prompts"] = 600
+    profile["regenerate"]["max_tokens"] = 128
+    for key, value in sections.items():
+        profile.setdefault(key, {}).update(value)
+    return resolved_config(**profile)
+
+
+def test_plan_projects_the_regenerated_builtin_prompts(tmp_path):
+    plan = plan_lib.project(smollm2_config(), tmp_path)
+    train = plan.workload["train_tokens"]
+    assert 0.75 * MEASURED_TRAIN_TOKENS <= train <= 1.3 * MEASURED_TRAIN_TOKENS, plan.workload
+    regenerate = stage_row(plan, "regenerate")
+    assert 0.5 * MEASURED_REGENERATE_S <= regenerate.seconds <= 2 * MEASURED_REGENERATE_S, regenerate
+    assert "smollm2-135m shape" == plan.workload["target"]            # not the embedded target's
+    assert plan.workload["hidden_size"] == 576
+
+
+def test_plan_projects_a_prompt_file_with_the_targets_answers(tmp_path):
+    """A served target answering a prompt-only file: the prompts' bytes say nothing of the
+    answers the dataset will hold."""
+    from eagle3flow.builtin_prompts import write_prompts
+    from eagle3flow.pretrained_shape import SMOLLM2_135M
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    write_prompts(tmp_path / "prompts.jsonl", 600)
+    config = smollm2_config(target={"path": str(target)}, dataset={"path": str(tmp_path / "prompts.jsonl")},
+                            regenerate={"base_url": "http://127.0.0.1:9"})
+    plan = plan_lib.project(config, tmp_path)
+    assert 0.75 * MEASURED_TRAIN_TOKENS <= plan.workload["train_tokens"] <= 1.3 * MEASURED_TRAIN_TOKENS, \
+        plan.workload
+
+
+def test_plan_refines_the_answers_from_the_cache_and_the_measured_rate(tmp_path):
+    """Killed mid-regeneration: the answers so far give their length, the rate measured
+    while answering gives the time of the rest."""
+    cache = tmp_path / "cache" / "regenerate" / "0123456789abcdef"
+    cache.mkdir(parents=True)
+    with open(cache / "responses.jsonl", "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"id": f"p{i}", "completion_tokens": 60, "finish_reasons": ["stop"]}) + "\n")
+    (cache / "rate.json").write_text(json.dumps({"completion_tokens": 6000, "seconds": 100.0}))
+    plan = plan_lib.project(smollm2_config(), tmp_path)
+    regen = plan.workload["regenerate"]
+    assert regen["answer_tokens"] == 60 and "mean of the 100 answers" in regen["answer_basis"]
+    assert regen["answers_to_make"] == pytest.approx(600 * plan_lib.BUILTIN_ANSWERS_PER_PROMPT - 100)
+    row = stage_row(plan, "regenerate")
+    assert row.seconds == pytest.approx(regen["answers_to_make"] * 60 / 60.0 + plan_lib.ASSUMED_SELF_SERVED_STARTUP_S)
+    assert "measured while answering" in row.time_basis
+    tokens = 600 * plan_lib.BUILTIN_ANSWERS_PER_PROMPT * (plan_lib.BUILTIN_PROMPT_TOKENS + 60
+                                                          + plan_lib.TEMPLATE_TOKENS_PER_TURN)
+    assert plan.workload["train_tokens"] + plan.workload["eval_tokens"] == pytest.approx(tokens, rel=0.01)

@@ -198,10 +198,11 @@ def test_full_regeneration(full_run, server, dataset, embedded):
     # Multi-turn: turn 2 is asked with the target's own turn-1 answer in context.
     multi = [r for r in rows if len(r["finish_reasons"]) == 2]
     assert multi, "the test data must hold a multi-turn conversation"
-    for row in multi:
+    # (not `row`: the sample checked below is the one above)
+    for turns_row in multi:
         second = next(q["body"] for q in full_run["requests"]
-                      if q["body"]["messages"][:-1] == row["messages"][:-2])
-        assert second["messages"][-2] == {"role": "assistant", "content": row["messages"][-3]["content"]}
+                      if q["body"]["messages"][:-1] == turns_row["messages"][:-2])
+        assert second["messages"][-2] == {"role": "assistant", "content": turns_row["messages"][-3]["content"]}
     # Sampling settings and the token: sent, never logged.
     assert {q["body"]["max_tokens"] for q in full_run["requests"]} == {24}
     assert {q["authorization"] for q in full_run["requests"]} == {"Bearer sekret-token-123"}

@@ -316,21 +316,18 @@ def test_drain_stays_down_until_the_last_job_of_alternating_stages(tmp_path):
     after the last job of the run, not after each stage's first."""
     from test_drain import FakeBox
 
-    from eagle3flow.service import write_plan
-
     box = FakeBox(tmp_path / "box")
     try:
         box.start_unit()
-        run = subprocess.Popen(["sleep", "300"])  # stands for the live Snakemake main process
-        box.others.append(run)
         jobs = ["extract_partition", "train_partition", "extract_partition", "train_partition_last"]
-        write_plan(str(box.state_dir), jobs, run.pid)
+        run_env = box.live_run(jobs)   # the live Snakemake main process and its plan
         for stage in sorted(set(jobs)):
-            assert box.service("drain", "--stage", stage, "--gpus", "8").returncode == 0
+            assert box.service("drain", "--stage", stage, "--gpus", "8", run_env=run_env).returncode == 0
         for stage in jobs:
             ended = subprocess.run(
                 [sys.executable, "-m", "eagle3flow.service", "stage-ended", "--state-dir", str(box.state_dir),
-                 "--stage", stage, "--exit-code", "0"], env=box.env, capture_output=True, text=True, timeout=60)
+                 "--stage", stage, "--exit-code", "0"], env={**box.env, **run_env}, capture_output=True,
+                text=True, timeout=60)
             assert ended.returncode == 0, ended.stderr
             if stage != jobs[-1]:
                 assert "stays down" in ended.stderr and not box.healthy(), (stage, ended.stderr)

@@ -29,8 +29,9 @@ from test_hidden_states import write_dataset
 from test_workflow import kill_when
 
 REPO = Path(__file__).resolve().parent.parent
-# Unordered on purpose (vLLM hands them back ascending); 0 = the embeddings and N-1 = the
-# last layer's input on Llama; DeepSeek cannot give 0 in vLLM.
+# Unordered on purpose: vLLM hands them back ascending, and the extraction CLI sorts them
+# (the order vLLM feeds the draft); 0 = the embeddings and N-1 = the last layer's input on
+# Llama; DeepSeek cannot give 0 in vLLM.
 LLAMA_AUX = [4, 0, 7, 2]
 DEEPSEEK_AUX = [1, 7, 4]
 OPTIONS = ["--device", "cpu", "--dtype", "float32", "--batch-tokens", "96", "--shard-tokens", "120"]
@@ -205,7 +206,7 @@ def _compare_with_hf(run, split: str, atol: float):
         assert a["id"] == b["id"]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         assert a["aux_hidden_states"].dtype == b["aux_hidden_states"].dtype == torch.float32
-        for j, k in enumerate(run.aux):  # layer by layer
+        for j, k in enumerate(sorted(run.aux)):  # layer by layer, as extracted: ascending
             cols = slice(j * hidden, (j + 1) * hidden)
             torch.testing.assert_close(a["aux_hidden_states"][:, cols], b["aux_hidden_states"][:, cols],
                                        rtol=1e-4, atol=atol, msg=f"{a['id']} layer id {k}")
@@ -261,7 +262,8 @@ def test_exported_layer_ids_are_what_vllm_captures(vllm_runs):
         manifest = shards.load_manifest(run.work / "vllm" / "eval" / "manifest.json")
         exported = DraftConfig.from_target_config(load_target_config(run.target), manifest.aux_layer_ids,
                                                   100).to_hf_config()
-        assert exported["eagle_aux_hidden_state_layer_ids"] == manifest.aux_layer_ids == run.aux
+        assert exported["eagle_aux_hidden_state_layer_ids"] == manifest.aux_layer_ids == sorted(run.aux)
+        assert exported["num_aux_hidden_states"] == len(run.aux)
         model = AutoModelForCausalLM.from_pretrained(run.target, dtype=torch.float32).eval()
         sample = next(manifest.iter_samples())
         with torch.no_grad():
