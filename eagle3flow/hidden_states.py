@@ -176,21 +176,29 @@ def weight_file_fingerprint(path: Path) -> dict:
             "sampled_sha256": sampled.hexdigest()}
 
 
+def _file_stamp(path: Path) -> list[int]:
+    """What says a file is unchanged without reading it: (size, mtime, inode)."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _read_memo(memo_file: Path) -> dict:
+    """A memo of per-file results keyed by path; empty when missing or unreadable."""
+    try:
+        with open(memo_file) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def target_weights_fingerprint(target_path: Path, cache_root: Path) -> list[list]:
     """``[[file name, bytes, header sha256, sampled sha256], ...]`` of every weight file,
     in parallel, remembered in ``cache_root/weights_fingerprint.json`` by (path, size,
     mtime, inode): a rerun only stats the files."""
     files = weight_files(target_path)
     memo_file = cache_root / "weights_fingerprint.json"
-    try:
-        with open(memo_file) as f:
-            memo = json.load(f)
-    except (OSError, ValueError):
-        memo = {}
-    stamps = {}
-    for p in files:
-        st = p.stat()
-        stamps[p] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    memo = _read_memo(memo_file)
+    stamps = {p: _file_stamp(p) for p in files}
     todo = [p for p in files if (memo.get(str(p.resolve())) or {}).get("stamp") != stamps[p]]
     if todo:
         with ThreadPoolExecutor(max_workers=min(FINGERPRINT_THREADS, len(todo))) as pool:
@@ -210,15 +218,10 @@ def cached_sha256(path: Path, cache_root: Path) -> str:
     The target's weights are hashed once (seconds to minutes); later runs only stat
     them, so a fully cached rerun reads neither the weights nor the model.
     """
-    st = path.stat()
     key = str(path.resolve())
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = _file_stamp(path)
     memo_file = cache_root / "file_sha256.json"
-    try:
-        with open(memo_file) as f:
-            memo = json.load(f)
-    except (OSError, ValueError):
-        memo = {}
+    memo = _read_memo(memo_file)
     hit = memo.get(key)
     if hit and hit.get("stamp") == stamp:
         return hit["sha256"]

@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from conftest import REPO
+from helpers import write_word_conversations
 from test_workflow import BIN, snakemake, snakemake_env, workflow_copy
+
 from eagle3flow import plan as plan_lib
 
 STAGE_NAMES = [name for name, *_ in plan_lib.STAGES]
@@ -90,22 +92,12 @@ def make_chat_target(random_llama, out_dir):
     return out_dir
 
 
-def write_conversations(path, n: int) -> None:
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with open(path, "w") as f:
-        for i in range(n):
-            question = " ".join(words[(i + j) % len(words)] for j in range(5 + i % 7))
-            answer = " ".join(words[(i * 3 + j) % len(words)] for j in range(10 + i % 13))
-            f.write(json.dumps({"id": f"c{i}", "messages": [
-                {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}) + "\n")
-
-
 @pytest.fixture(scope="module")
 def extraction_run(tmp_path_factory, random_llama_target):
     """Snakemake runs prepare_dataset, then extraction, on a small random target."""
     root = tmp_path_factory.mktemp("plan_run")
     target = make_chat_target(random_llama_target, root / "target")
-    write_conversations(root / "chats.jsonl", 160)
+    write_word_conversations(root / "chats.jsonl", 160)
     workdir = workflow_copy(root / "wf")
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     config["target"]["path"] = str(target)
