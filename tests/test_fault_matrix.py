@@ -132,6 +132,12 @@ class Scenario:
         self.box.others += self.bystanders
         self.logs: list[Path] = []
 
+    def record(self, **row) -> dict:
+        """A row of the matrix, with what the box measured at the end: the unit healthy,
+        the downtime, the foreign processes killed."""
+        return record(**row, unit_healthy=yes(self.box.healthy()), downtime=self.downtime(),
+                      foreign_killed=self.foreign_killed())
+
     def env(self, **extra) -> dict:
         return {k: self.box.env[k] for k in ("PATH", "FAKE_SYSTEMD_DIR", "FAKE_GPU_DIR", "FAKE_GPU_PROGRAMS")} | extra
 
@@ -294,14 +300,12 @@ def test_snakemake_main_process_killed_its_job_lives_on(scenario, stage):
     starts_after = [s for s in sc.box.starts() if s["at"] >= orphan_end - 1]
     rerun = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
-    row = record(scenario=f"SIGKILL of the Snakemake main process only, during {stage} (job orphaned)",
-                 fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(),
-                 foreign_killed=sc.foreign_killed(), recomputed=rewritten(shards, sc.shards())
-                 + rewritten(checkpoints, sc.checkpoints()),
-                 consistent=consistent,
-                 notes=f"unit started on busy GPUs {len(sc.started_on_busy_gpus())} time(s); restored after the "
-                       f"orphan ended ({len(starts_after)} start(s) after it); rerun rc={rerun.returncode}, no --unlock")
+    row = sc.record(scenario=f"SIGKILL of the Snakemake main process only, during {stage} (job orphaned)",
+                    fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
+                    recomputed=rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints()),
+                    consistent=consistent,
+                    notes=f"unit started on busy GPUs {len(sc.started_on_busy_gpus())} time(s); restored after the "
+                          f"orphan ended ({len(starts_after)} start(s) after it); rerun rc={rerun.returncode}, no --unlock")
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
     assert not sc.started_on_busy_gpus(), sc.box.starts()
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
@@ -336,11 +340,10 @@ def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
         # Nothing upstream of the evaluation ran again.
         recomputed += sum(v for k, v in jobs.items() if k not in ("evaluate_draft", "drain_service"))
     ok, consistent = sc.consistent()
-    row = record(scenario=f"SIGKILL of the whole process group during {stage}",
-                 fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=recomputed, consistent=consistent,
-                 notes=f"restored by the watchdog; rerun rc={rc}, its jobs {jobs}")
+    row = sc.record(scenario=f"SIGKILL of the whole process group during {stage}",
+                    fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
+                    recomputed=recomputed, consistent=consistent,
+                    notes=f"restored by the watchdog; rerun rc={rc}, its jobs {jobs}")
     assert rc == 0, (rerun.stdout + rerun.stderr)[-4000:]
     assert sc.box.downtime()[0]["reason"].startswith("watchdog:"), sc.box.downtime()
     assert not sc.started_on_busy_gpus(), sc.box.starts()
@@ -355,10 +358,9 @@ def test_gpu_stage_that_fails(scenario):
     result = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
     records = sc.box.downtime()
-    row = record(scenario="a GPU stage that fails", fault_at="extract_hidden_states (rc=1)",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=0, consistent=consistent,
-                 notes=f"reason: {records[-1]['reason'] if records else '-'}; run rc={result.returncode}")
+    row = sc.record(scenario="a GPU stage that fails", fault_at="extract_hidden_states (rc=1)",
+                    recomputed=0, consistent=consistent,
+                    notes=f"reason: {records[-1]['reason'] if records else '-'}; run rc={result.returncode}")
     assert result.returncode != 0 and records and records[-1]["reason"] == "extract_hidden_states failed (rc=1)"
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and ok, row
 
@@ -380,11 +382,10 @@ def test_gpu_stage_signalled(scenario):
     jobs = [(j["stage"], j["rc"]) for r in records for j in r.get("ended_jobs", [])]
     rerun = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
-    row = record(scenario="the run signalled (SIGTERM to its process group) during a GPU stage",
-                 fault_at=f"extract_hidden_states, {len(shards)} shard(s) finished",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=rewritten(shards, sc.shards()), consistent=consistent,
-                 notes=f"stage ends recorded {jobs}; reason: {records[0]['reason']}; rerun rc={rerun.returncode}")
+    row = sc.record(scenario="the run signalled (SIGTERM to its process group) during a GPU stage",
+                    fault_at=f"extract_hidden_states, {len(shards)} shard(s) finished",
+                    recomputed=rewritten(shards, sc.shards()), consistent=consistent,
+                    notes=f"stage ends recorded {jobs}; reason: {records[0]['reason']}; rerun rc={rerun.returncode}")
     assert ("extract_hidden_states", 128 + signal.SIGTERM) in jobs, records
     assert records[0]["reason"] == f"extract_hidden_states failed (rc={128 + signal.SIGTERM})", records
     assert not sc.started_on_busy_gpus() and rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
@@ -456,11 +457,10 @@ def test_stale_session_after_a_reboot(scenario):
     result = sc.run(*UNTIL)
     records = sc.box.downtime()
     ok, consistent = sc.consistent()
-    row = record(scenario="a stale session after a simulated reboot", fault_at="before the run (previous boot)",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=0, consistent=consistent,
-                 notes=f"status: drained={said['drained']}; first record: {records[0]['reason'][:60]}...; "
-                       f"run rc={result.returncode}, no --unlock")
+    row = sc.record(scenario="a stale session after a simulated reboot", fault_at="before the run (previous boot)",
+                    recomputed=0, consistent=consistent,
+                    notes=f"status: drained={said['drained']}; first record: {records[0]['reason'][:60]}...; "
+                          f"run rc={result.returncode}, no --unlock")
     assert said["drained"] is False and "dead" in said["stale_session"]["verdict"], said
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert records[0]["reason"].startswith("reconciled:") and records[0]["healthy"], records
@@ -484,11 +484,10 @@ def test_second_snakemake_while_the_first_runs(scenario):
     first.wait(timeout=400)
     out = second.stdout + second.stderr
     ok, consistent = sc.consistent()
-    row = record(scenario="a second Snakemake started while the first runs", fault_at="extraction of the first",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=0, consistent=consistent,
-                 notes=f"second rc={second.returncode} (lock kept: {yes(locks_before == locks_after)}, "
-                       f"session untouched: {yes(session_before == session_after)}); first rc={first.returncode}")
+    row = sc.record(scenario="a second Snakemake started while the first runs", fault_at="extraction of the first",
+                    recomputed=0, consistent=consistent,
+                    notes=f"second rc={second.returncode} (lock kept: {yes(locks_before == locks_after)}, "
+                          f"session untouched: {yes(session_before == session_after)}); first rc={first.returncode}")
     assert second.returncode != 0 and "is alive" in out and "cannot be locked" in out, out[-3000:]
     assert locks_before and locks_before == locks_after and session_before == session_after
     assert first.returncode == 0, sc.tail()
@@ -590,11 +589,10 @@ def test_streaming_with_drain_killed_mid_chain(scenario, stream_upstream):
     jobs = plan_lib.parse_job_stats(rerun.stdout + rerun.stderr)
     ok, consistent = sc.consistent()
     again = int(extract0.stat().st_mtime_ns != stamp)
-    row = record(scenario="streaming with drain, killed mid-chain", fault_at="train_partition 1 (partition 0 consumed)",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=again + rewritten(checkpoints, sc.checkpoints()), consistent=consistent,
-                 notes=f"rerun rc={rerun.returncode}, jobs {jobs.get('extract_partition')} extraction(s), "
-                       f"{jobs.get('train_partition', 0) + jobs.get('train_partition_last', 0)} training link(s)")
+    row = sc.record(scenario="streaming with drain, killed mid-chain", fault_at="train_partition 1 (partition 0 consumed)",
+                    recomputed=again + rewritten(checkpoints, sc.checkpoints()), consistent=consistent,
+                    notes=f"rerun rc={rerun.returncode}, jobs {jobs.get('extract_partition')} extraction(s), "
+                          f"{jobs.get('train_partition', 0) + jobs.get('train_partition_last', 0)} training link(s)")
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-5000:]
     assert jobs.get("extract_partition") in (1, 2), jobs            # partitions 1 (if unfinished) and 2
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
@@ -616,12 +614,11 @@ def test_kill_foreign_gpu_processes_never_touches_the_workflows_own_jobs(scenari
     registered = [name for name, text in logs.items() if "registered" in text]
     overlapped = [name for name, text in logs.items() if "hold the GPUs now; not foreign" in text]
     ok, consistent = sc.consistent()
-    row = record(scenario="kill_foreign_gpu_processes: true, streaming with 2 partitions in flight",
-                 fault_at="drains while the run's own GPU jobs run",
-                 unit_healthy=yes(sc.box.healthy()), downtime=sc.downtime(), foreign_killed=sc.foreign_killed(),
-                 recomputed=0, consistent=consistent,
-                 notes=f"run rc={result.returncode}; workflow processes killed: {len(killed)}; {len(registered)} "
-                       f"drain(s) joined the run's drain, {len(overlapped)} while its own GPU job held the GPUs")
+    row = sc.record(scenario="kill_foreign_gpu_processes: true, streaming with 2 partitions in flight",
+                    fault_at="drains while the run's own GPU jobs run",
+                    recomputed=0, consistent=consistent,
+                    notes=f"run rc={result.returncode}; workflow processes killed: {len(killed)}; {len(registered)} "
+                          f"drain(s) joined the run's drain, {len(overlapped)} while its own GPU job held the GPUs")
     assert result.returncode == 0 and not killed, (result.stdout + result.stderr)[-5000:]
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and ok, row
 
