@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3flow.atomic import replacing
+from eagle3flow.atomic import replacing, write_text
 from eagle3flow.embedded_corpus import build_corpus, read_conversations
 from eagle3flow.embedded_tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
 from eagle3flow.progress import Progress
@@ -271,9 +271,7 @@ def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
     # This build's work dir, and any left by interrupted builds with other options.
     for stale in out_dir.glob(".build-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    stats_tmp = out_dir / "build_stats.json.tmp"
-    stats_tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    os.replace(stats_tmp, out_dir / "build_stats.json")
+    write_text(out_dir / "build_stats.json", json.dumps(stats, indent=2) + "\n")
     print(f"embedded: target ({stats['params']:,} params, final loss {stats['final_loss']}) -> "
           f"{out_dir / 'target'} in {stats['wall_seconds']:.0f}s", file=sys.stderr, flush=True)
     return stats

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3flow.atomic import replacing, write_json
 from eagle3flow.draft_model import DraftConfig, exported_param_names
 from eagle3flow.sglang_contract import sglang_problems
-from eagle3flow.atomic import write_json
 from eagle3flow.target_weights import load_target_config, target_dtype
 from eagle3flow.train import load_vocab_map
 
@@ -64,9 +63,8 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
     else:
         config = cfg.to_hf_config()
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out_dir / "model.safetensors")
+    with replacing(out_dir / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_json(out_dir / "config.json", config)
     if fmt == "eagle3":
         for problem in sglang_problems(config, set(tensors), load_target_config(target_path)):

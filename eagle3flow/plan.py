@@ -10,8 +10,9 @@ else from an estimate of the raw dataset, and from the target's config.json:
 * hidden states: ``tokens x ((A+1) x H x dtype_bytes + 5)`` (A aux layers + the last
   layer, plus int32 input_ids and uint8 loss_mask) for both splits;
 * training cache: ``(keep_checkpoints + 1)`` checkpoints of fp32 weights and the
-  optimizer state (12 B/param under AdamW; 8 B/param for the matrices Muon steps; one
-  more checkpoint exists for a moment before the oldest is deleted), plus ``draft_params x 4`` for ``results/train``;
+  optimizer state (12 B/param under AdamW, 8 B/param for the matrices Muon steps; one
+  more checkpoint exists for a moment before the oldest is deleted), plus
+  ``draft_params x 4`` for ``results/train``;
 * export: ``draft_params x dtype_bytes`` plus the vocab map.
 
 A stage whose files already exist counts with their measured size. The projected peak
@@ -82,9 +83,10 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 FP8_SCALE_BYTES = 4
 # Per token besides the hidden states: int32 input_ids + uint8 loss_mask.
 TOKEN_OVERHEAD_BYTES = 5
-# fp32 weights + AdamW's exp_avg and exp_avg_sq, per trainable parameter.
-CHECKPOINT_BYTES_PER_PARAM = 12         # fp32 weight + two AdamW moments
-MUON_CHECKPOINT_BYTES_PER_PARAM = 8     # fp32 weight + Muon's momentum
+# Checkpoint bytes per trainable parameter: the fp32 weight plus AdamW's exp_avg and
+# exp_avg_sq, or plus Muon's one momentum buffer.
+CHECKPOINT_BYTES_PER_PARAM = 12
+MUON_CHECKPOINT_BYTES_PER_PARAM = 8
 
 # Measured on the embedded default (2 cores): the stdlib-docstring corpus gives about
 # 59.4 tokens per requested conversation (237,744 for 4,000), its JSONL ~5.3 bytes per

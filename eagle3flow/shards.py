@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from eagle3flow.atomic import replacing, write_json, write_text
-
-from safetensors import safe_open
 
 FORMAT = "eagle3flow.hidden_states.v1"
 TENSOR_NAMES = ("input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state")
