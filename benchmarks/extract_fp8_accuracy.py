@@ -27,9 +27,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from eagle3flow.hidden_states import extract  # noqa: E402
-from eagle3flow.shards import load_manifest  # noqa: E402
-from eagle3flow.train import evaluate_split, load_trained, train  # noqa: E402
+from eagle3flow.extract.hf import extract  # noqa: E402
+from eagle3flow.extract.shards import load_manifest  # noqa: E402
+from eagle3flow.train.trainer import evaluate_split, load_trained, train  # noqa: E402
 
 
 def log(message: str) -> None:

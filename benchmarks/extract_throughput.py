@@ -8,7 +8,7 @@ Builds a Llama-3.1-8B-shaped target with random weights directly on the GPU in b
   LM head), nothing copied out;
 * (b) ``write``: the bytes the project's shards hold, written alone (same file sizes,
   one fsync per file, no checksum) into the same scratch directory;
-* ``project``: :func:`eagle3flow.hidden_states.extract` end to end (dataset scan,
+* ``project``: :func:`eagle3flow.extract.hf.extract` end to end (dataset scan,
   forward with hooks, device-to-host copies, background writer with sha256, entry
   files, manifest), with the model handed over through ``loaded_models``;
 * ``project_fp8``: the same with ``storage_dtype="fp8"`` (half the bytes).
@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eagle3flow import shards  # noqa: E402
-from eagle3flow.hidden_states import (capture, check_disk_room, model_cache_key, prepare,  # noqa: E402
+from eagle3flow.extract import shards  # noqa: E402
+from eagle3flow.extract.hf import (capture, check_disk_room, model_cache_key, prepare,  # noqa: E402
                                       run)
 from eagle3flow.layers import default_aux_layer_ids  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+from eagle3flow.model.draft import DraftConfig, Eagle3Draft
 
 KIMI_K25 = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
             "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
@@ -47,7 +47,7 @@ def trainable_params(cfg: DraftConfig) -> int:
     frequencies need real numbers and are no parameters."""
     from unittest import mock
 
-    with mock.patch("eagle3flow.draft_model.rope_inv_freq", lambda c: (torch.zeros(1), 1.0)), \
+    with mock.patch("eagle3flow.model.draft.rope_inv_freq", lambda c: (torch.zeros(1), 1.0)), \
             torch.device("meta"):
         model = Eagle3Draft(cfg)
     return sum(p.numel() for n, p in model.named_parameters() if n != "embed_tokens.weight")
@@ -79,10 +79,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=6)
     args = parser.parse_args(argv)
-    from eagle3flow.hidden_states import extract
+    from eagle3flow.extract.hf import extract
     from eagle3flow.tiny_targets import make_tiny_deepseek_v3
-    from eagle3flow.train import train
-    from eagle3flow.vocab import build_vocab_map
+    from eagle3flow.train.trainer import train
+    from eagle3flow.data.vocab import build_vocab_map
 
     work = args.work
     work.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The TTT tail-attention Triton kernels (eagle3flow/ttt_attention.py): time per training step
+"""The TTT tail-attention Triton kernels (eagle3flow/model/kernels/ttt_attention.py): time per training step
 for each tile size and warp count, checked against the torch math on the same GPU.
 
 One training step of the 8B-shaped setting calls the tail merge and its backward once per
@@ -7,7 +7,7 @@ times another version of the module (e.g. an older commit's ``ttt_attention.py``
 same tensors.
 
     PYTHONPATH=$PWD python3 benchmarks/tail_kernels.py --out tail.json
-    git show 4b33139:eagle3flow/ttt_attention.py > /tmp/old.py
+    git show 4b33139:eagle3flow/model/kernels/ttt_attention.py > /tmp/old.py
     PYTHONPATH=$PWD python3 benchmarks/tail_kernels.py --baseline /tmp/old.py --out tail.json
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow import ttt_attention as ta
+from eagle3flow.model.kernels import ttt_attention as ta
 
 # name: (B, T, heads, kv heads, head_dim, tail lengths j)
 SHAPES = {"llama8b": (4, 2048, 32, 8, 128, range(1, 7)), "kimi": (1, 4096, 64, 64, 128, [6])}

@@ -1,8 +1,8 @@
 """Training throughput of the EAGLE-3 draft: tokens/s, MFU and peak memory of one full step.
 
-One step = ``eagle3flow.loss.ttt_loss`` (teacher lm_head forward, TTT forward over all
+One step = ``eagle3flow.train.loss.ttt_loss`` (teacher lm_head forward, TTT forward over all
 steps, soft cross-entropy on the scored rows) + backward + grad-norm clipping + fused
-AdamW, exactly what eagle3flow/train.py runs per batch on one GPU, on a batch laid out as
+AdamW, exactly what eagle3flow/train/trainer.py runs per batch on one GPU, on a batch laid out as
 its loader hands it over (scored rows from the host). Weights and data are random and built
 on the GPU (nothing is downloaded). Steps run back to back without host syncs, as in
 training: tokens/s = tokens / mean step time; per-step times from CUDA events.
@@ -22,7 +22,7 @@ Loss masks: ``ones`` (every predicted token scored: the headline, where no row i
 skipped) and ``chat`` (alternating user/assistant runs, ~60% assistant tokens: the
 lm_head and the loss run only on scored rows, so the same FLOP count is done faster).
 
-FLOPs per token: :func:`eagle3flow.flops.train_flops_per_token` (the trainer's own
+FLOPs per token: :func:`eagle3flow.model.flops.train_flops_per_token` (the trainer's own
 count): the draft's forward (fc, then per TTT step q/k/v/o, MLP, lm_head and
 attention) x 3 for forward + backward, plus the teacher's lm_head forward over the
 draft vocabulary. MFU = tokens/s x FLOPs/token / the bf16 matmul rate measured in the
@@ -33,7 +33,7 @@ same run (``--matmul-size``^3 square product, best of several).
 
 Data parallel (scaling): under ``torchrun --nproc-per-node G`` every rank runs its own
 batch of the same shape and the gradients are summed with the trainer's own
-``eagle3flow.distributed.sum_gradients`` before clipping and the optimizer step;
+``eagle3flow.train.distributed.sum_gradients`` before clipping and the optimizer step;
 ``tokens_per_s`` is then the total over the G GPUs (rank 0 reports).
 
     PYTHONPATH=$PWD torchrun --standalone --nproc-per-node 2 benchmarks/train_throughput.py --masks ones
@@ -50,11 +50,11 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.distributed import DistContext, init_distributed, sum_gradients
-from eagle3flow.draft_model import DraftConfig, Eagle3Draft
-from eagle3flow.flops import mean_causal_context, train_flops_per_token
-from eagle3flow.loss import scored_rows, ttt_loss
-from eagle3flow.train_data import to_device
+from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
+from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
+from eagle3flow.train.loss import scored_rows, ttt_loss
+from eagle3flow.train.data import to_device
 
 LLAMA_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -94,7 +94,7 @@ def chat_mask(length: int, generator: torch.Generator, assistant_share: float = 
 
 def build(setting: str, draft_vocab: int, device: torch.device, quick: bool):
     """Model (fp32 master weights, frozen random embeddings, random vocab map) and the
-    teacher head ``[Vd, H]`` bf16, as eagle3flow/train.py builds them."""
+    teacher head ``[Vd, H]`` bf16, as eagle3flow/train/trainer.py builds them."""
     target, aux_ids = (TINY, [1, 2, 3]) if quick else SETTINGS[setting]
     cfg = DraftConfig.from_target_config(target, aux_ids, draft_vocab)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def build(setting: str, draft_vocab: int, device: torch.device, quick: bool):
 
 def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, device: torch.device,
                num_steps: int, trim: int = 0) -> dict:
-    """A packed batch as the training loader hands it over (eagle3flow/train_data.py): the
+    """A packed batch as the training loader hands it over (eagle3flow/train/data.py): the
     scored rows computed on the host, ``cu_seqlens`` / ``step_rows`` kept there. ``trim``
     shortens the last sample (a batch of another row count)."""
     g = torch.Generator().manual_seed(1)

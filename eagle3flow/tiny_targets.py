@@ -3,7 +3,7 @@
 :func:`make_tiny_deepseek_v3` writes a ``DeepseekV3ForCausalLM`` HF directory: the
 architecture of DeepSeek-V3 / Kimi-K2 (MLA attention, MoE with shared experts and
 grouped routing) at toy size, with the embedded target's tokenizer (its chat
-template and special tokens, see eagle3flow/embedded_tokenizer.py) so it plugs into
+template and special tokens, see eagle3flow/embedded/tokenizer.py) so it plugs into
 the same dataset/vocab stages. Used by tests of both extraction backends (HF and
 vLLM) and of training on sharded / nested checkpoints.
 
@@ -28,7 +28,7 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3flow.embedded_tokenizer import save_tokenizer, train_tokenizer
+from eagle3flow.embedded.tokenizer import save_tokenizer, train_tokenizer
 
 # A few chat turns to fit the byte-level BPE on: the tokenizer keeps every byte, so
 # any text stays encodable; a small corpus only means fewer merges.
@@ -50,12 +50,12 @@ def tiny_tokenizer(vocab_size: int = 4096):
 
 
 def make_tiny_llama(out_dir: str | Path, seed: int = 0) -> Path:
-    """A random ``LlamaForCausalLM`` of the embedded target's shape (eagle3flow/embedded.py,
+    """A random ``LlamaForCausalLM`` of the embedded target's shape (eagle3flow/embedded/build.py,
     ``TargetShape``) with its tokenizer class: the embedded target without its training."""
     import torch
     from transformers import LlamaForCausalLM
 
-    from eagle3flow.embedded import TargetShape, build_config
+    from eagle3flow.embedded.build import TargetShape, build_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,18 +2,18 @@ import json
 import os
 from pathlib import Path
 
-from eagle3flow.invocation import runs_jobs
-from eagle3flow.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
+from eagle3flow.ops.invocation import runs_jobs
+from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
-# nothing; eagle3flow/invocation.py). Jobs that re-read the workflow never act either.
+# nothing; eagle3flow/ops/invocation.py). Jobs that re-read the workflow never act either.
 RUNS_JOBS = workflow.is_main_process and runs_jobs()
 # This run's token: onstart puts it in Snakemake's environment, so every job and what it
-# starts carries it (eagle3flow/service.py: the drain and the watchdog tell runs apart by it).
+# starts carries it (eagle3flow/ops/service.py: the drain and the watchdog tell runs apart by it).
 RUN_ENV = "EAGLE3FLOW_RUN"
 RUN_ID = None
 if RUNS_JOBS:
-    from eagle3flow.service import run_id_of
+    from eagle3flow.ops.service import run_id_of
 
     RUN_ID = run_id_of(os.getpid())
     # A rerun after a kill on this host continues instead of asking for --unlock, when
@@ -67,7 +67,7 @@ def normalize_aux_layer_ids():
     this config (the extraction, the plan) or from the manifests extraction writes."""
     import sys
 
-    from eagle3flow import plan as plan_lib
+    from eagle3flow.ops import plan as plan_lib
     from eagle3flow.layers import normalize_aux_layer_ids as normalize
 
     try:

@@ -24,7 +24,7 @@ rule prepare_dataset:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.dataset --input {params.source:q} --tokenizer {input.target:q}"
+        "python -m eagle3flow.data.dataset --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir} --format {params.cfg[format]}"
         " --max-length {params.cfg[max_length]} --length-policy {params.cfg[length_policy]}"
         " --eval-fraction {params.cfg[eval_fraction]} --seed {params.cfg[seed]}"

@@ -19,6 +19,6 @@ rule drain_service:
     conda:
         "../envs/service.yaml"
     shell:
-        "python -m eagle3flow.service drain --stage {wildcards.stage} --gpus {params.gpus}"
+        "python -m eagle3flow.ops.service drain --stage {wildcards.stage} --gpus {params.gpus}"
         " --settings-json {params.settings} --state-dir {params.state_dir} --flag {output.flag}"
         " 2>&1 | tee {log}"

@@ -1,18 +1,18 @@
 # Helpers of rules/drain.smk, included before the GPU stages that use them.
 # Frees the GPUs for the GPU stages on a box whose vLLM systemd unit holds them all,
-# and brings the unit back (eagle3flow/service.py; what it does: docs/service.md).
+# and brings the unit back (eagle3flow/ops/service.py; what it does: docs/service.md).
 #
 # One drain job per GPU stage (a temp() flag the stage takes as input): Snakemake
 # schedules it only when that stage has to run, after the stage's other inputs
 # exist, so production stays up while the CPU stages before it run. Every GPU rule's
-# one command is eagle3flow.gpu_stage, which runs the stage and hands its real exit
+# one command is eagle3flow.ops.gpu_stage, which runs the stage and hands its real exit
 # status to the drain: the unit comes back after the last GPU stage of the run (or a
 # failed one); onsuccess/onerror and a detached watchdog restore it in every other case.
 import glob
 import shlex
 import sys
 
-from eagle3flow.service import DRAINED_STAGES
+from eagle3flow.ops.service import DRAINED_STAGES
 
 DRAIN = config["drain"]
 SERVICE_DIR = f"{RESULTS}/service"
@@ -33,9 +33,9 @@ def drain_flag_of(stage, wildcard):
 
 
 def gpu_stage(stage):
-    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/gpu_stage.py):
+    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/ops/gpu_stage.py):
     ``{gpu_stage} --log {log} -- <the stage's command>``."""
-    command = f"python -m eagle3flow.gpu_stage --stage {stage} --gpus {GPUS}"
+    command = f"python -m eagle3flow.ops.gpu_stage --stage {stage} --gpus {GPUS}"
     if DRAIN["enabled"]:
         command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
     return command
@@ -53,7 +53,7 @@ def drained_stage_inputs(wildcards):
 def write_drain_plan():
     """onstart: record the run and which drained stages it will run, so that a stage's
     end knows whether the GPUs are needed again or the unit can come back."""
-    from eagle3flow.service import write_plan
+    from eagle3flow.ops.service import write_plan
 
     # One entry per job: streaming alternates extraction and training jobs.
     stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
@@ -62,7 +62,7 @@ def write_drain_plan():
 
 def restore_service(reason):
     """onsuccess/onerror: bring the unit back if this run left it drained."""
-    from eagle3flow.service import ServiceError, restore_if_drained
+    from eagle3flow.ops.service import ServiceError, restore_if_drained
 
     for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
         os.remove(flag)
@@ -76,7 +76,7 @@ def restore_service(reason):
 
 def print_downtime():
     """The run's drain/restore cycles, for the summary at the end of the run."""
-    from eagle3flow.service import run_summary
+    from eagle3flow.ops.service import run_summary
 
     if not DRAIN["enabled"]:
         return
@@ -90,7 +90,7 @@ def drop_stale_drain_flags():
     a dead run must not let a GPU stage start on a running service (the stage wrapper
     refuses then anyway). Only a run does this, and only when no live run holds the
     session: a dry run or a second terminal changes nothing."""
-    from eagle3flow.service import ServiceError, State, session_verdict
+    from eagle3flow.ops.service import ServiceError, State, session_verdict
 
     flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
     if not flags:

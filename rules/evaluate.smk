@@ -41,6 +41,6 @@ rule evaluate_draft:
         "../envs/vllm.yaml"
     shell:
         "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.evaluate --draft {params.draft_dir} --target {input.target:q}"
+        " python -m eagle3flow.eval.evaluate --draft {params.draft_dir} --target {input.target:q}"
         " --eval-prompts {input.eval_prompts} --eval-manifest {input.eval_manifest}"
         " --out {output.summary} --config-json {params.cfg}"

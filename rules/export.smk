@@ -18,5 +18,5 @@ rule export_draft:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.export --train-dir {params.train_dir} --vocab-map {input.vocab_map}"
+        "python -m eagle3flow.export.checkpoint --train-dir {params.train_dir} --vocab-map {input.vocab_map}"
         " --target {input.target:q} {params.out_dirs} --speculative-tokens {params.k} 2>&1 | tee {log}"

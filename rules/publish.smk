@@ -1,6 +1,6 @@
-# The model card (eagle3flow/model_card.py) beside the exported draft, and, when asked for
+# The model card (eagle3flow/export/model_card.py) beside the exported draft, and, when asked for
 # by name (`snakemake --profile P publish_draft`), its upload to the Hugging Face Hub
-# (eagle3flow/publish.py; the token only from the environment).
+# (eagle3flow/export/publish.py; the token only from the environment).
 MODEL_CARD = f"{RESULTS}/draft/README.md"
 
 
@@ -25,7 +25,7 @@ rule write_model_card:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
+        "python -m eagle3flow.export.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
         " --vocab-stats {input.vocab_stats} --dataset-stats {input.dataset_stats}"
         " --train-eval {input.train_eval} --target {input.target:q} {params.base_model}"
         " --out {output.card} 2>&1 | tee {log}"
@@ -48,5 +48,5 @@ rule publish_draft:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.publish --draft {params.draft_dir} --repo-id {params.repo_id:q}"
+        "python -m eagle3flow.export.publish --draft {params.draft_dir} --repo-id {params.repo_id:q}"
         " --token-env {params.token_env}{params.flags} --record {output.record} 2>&1 | tee {log}"

@@ -1,4 +1,4 @@
-# The target answers the dataset's prompts itself (eagle3flow/regenerate.py), through
+# The target answers the dataset's prompts itself (eagle3flow/data/regenerate.py), through
 # its live OpenAI-compatible server. Everything downstream (prepare_dataset, then the
 # GPU stages) takes its output as input, so it runs before any drain_service job,
 # while the production server is still up. Answers are cached (undeclared, resumable);
@@ -10,7 +10,7 @@
 # regenerate.compare_original_answers also trains a draft on the dataset's original
 # answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
 # it side by side with the draft trained on the target's answers.
-from eagle3flow.compare_answers import original_answers_config
+from eagle3flow.data.compare_answers import original_answers_config
 
 REGENERATE = config["regenerate"]
 REGENERATE_DIR = f"{RESULTS}/regenerate"
@@ -63,7 +63,7 @@ rule regenerate_responses:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.regenerate --input {params.source:q} --tokenizer {input.target:q}"
+        "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir} --cache-root {params.cache} --config-json {params.cfg}"
         " --format {params.dataset[format]} --seed {params.dataset[seed]}"
         " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
@@ -93,6 +93,6 @@ rule train_original_answers_draft:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
+        "python -m eagle3flow.data.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
         " --target {input.target:q} --dataset {params.source:q} --results {params.results}"
         " --cache {params.cache} --logs {params.logs} --cores {threads} 2>&1 | tee {log}"

@@ -75,7 +75,7 @@ rule build_report:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.report --out-dir {params.out_dir}"
+        "python -m eagle3flow.report.render --out-dir {params.out_dir}"
         " --eval-summary {input.eval_summary} --train-metrics {input.metrics}"
         " --train-eval {input.train_eval} --vocab-stats {input.vocab_stats}"
         " --dataset-stats {input.dataset_stats} {params.manifests} {params.downtime}"

@@ -1,11 +1,11 @@
-# Streaming partitions (eagle3flow/streaming.py, docs/plan.md): when the storage budget
+# Streaming partitions (eagle3flow/ops/streaming.py, docs/plan.md): when the storage budget
 # cannot hold the train split's hidden states, training consumes them partition by
 # partition. Link j = partition j % N of epoch j // N:
 #   extract_partition j (waits for consumed-(j-F)) -> train_partition j (from link j-1's
 #   checkpoint) -> consumed-j.json, link j's shards deleted
 # The last link writes results/train/ like train_draft. The eval split is extracted with
 # the first epoch's links, merged and kept. F (partitions on disk at once) comes from the
-# budget (eagle3flow/plan.py); the chain is pinned in results/streaming/chain.json at the
+# budget (eagle3flow/ops/plan.py); the chain is pinned in results/streaming/chain.json at the
 # first run, so a rerun keeps it whatever the budget says then.
 
 
@@ -46,7 +46,7 @@ if STREAM is not None:
         conda:
             "../envs/train.yaml"
         shell:
-            "python -m eagle3flow.shards merge --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"
+            "python -m eagle3flow.extract.shards merge --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"
 
     # What was extracted and trained on, for the report (the shards are gone).
     rule record_streamed_train_manifest:
@@ -64,7 +64,7 @@ if STREAM is not None:
         conda:
             "../envs/train.yaml"
         shell:
-            "python -m eagle3flow.streaming record-manifest {params.markers} --manifest {output.train}"
+            "python -m eagle3flow.ops.streaming record-manifest {params.markers} --manifest {output.train}"
             " 2>&1 | tee {log}"
 
     rule train_partition:

@@ -1,7 +1,7 @@
 # Helpers of rules/streaming.smk (what the chain is, its files and each link's inputs).
-from eagle3flow import streaming as streaming_lib
+from eagle3flow.ops import streaming as streaming_lib
 
-# The chain (eagle3flow.streaming.Chain) when the budget makes this run stream, else None.
+# The chain (eagle3flow.ops.streaming.Chain) when the budget makes this run stream, else None.
 STREAM = plan_lib.streaming_chain(config, os.getcwd(), PLAN_WHEN_READ)
 STREAM_DIR = f"{RESULTS}/streaming"
 STREAM_PART = (
@@ -21,7 +21,7 @@ STREAM_LAUNCH = (
 )
 STREAM_TRAIN_SHELL = (
     "{params.gpu_stage} --log {log} --"
-    " python -m eagle3flow.streaming train-link {params.link_args}"
+    " python -m eagle3flow.ops.streaming train-link {params.link_args}"
     " --train-manifest {input.train} --stats {input.stats} --vocab-map {input.vocab_map}"
     " --target {input.target:q} --cache-root {params.cache} --config-json {params.cfg}"
     " --marker {output.consumed} --launch={params.launch:q}"

@@ -1,5 +1,5 @@
 # Checkpoints live in the cache (undeclared): a killed run resumes from the last.
-# eagle3flow.launch starts one process per GPU the job holds (torchrun; train.nproc
+# eagle3flow.train.launch starts one process per GPU the job holds (torchrun; train.nproc
 # forces N, e.g. 2 gloo processes on CPU), across train.nodes SLURM nodes (srun).
 TRAIN_INPUTS = dict(
     train=f"{RESULTS}/hidden_states/train/manifest.json",
@@ -37,7 +37,7 @@ rule train_draft:
         "../envs/train.yaml"
     shell:
         "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.launch {params.launch} eagle3flow.train --"
+        " python -m eagle3flow.train.launch {params.launch} eagle3flow.train.trainer --"
         " --train-manifest {input.train} --eval-manifest {input.eval}"
         " --vocab-map {input.vocab_map} --target {input.target:q} --out-dir {params.out_dir}"
         " --cache-root {params.cache} --config-json {params.cfg}"

@@ -24,7 +24,7 @@ def random_llama_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_default_build(tmp_path_factory) -> Path:
-    """The embedded default build (``python -m eagle3flow.embedded``: target/,
+    """The embedded default build (``python -m eagle3flow.embedded.build``: target/,
     conversations.jsonl, build_stats.json; minutes), made once per session and shared:
     copy from it, never write into it. EAGLE3FLOW_EMBEDDED_DIR reuses an existing one."""
     existing = os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
@@ -32,7 +32,7 @@ def embedded_default_build(tmp_path_factory) -> Path:
         return Path(existing)
     out = tmp_path_factory.mktemp("embedded_default")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out)],
+    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"embedded build failed:\n{result.stderr[-4000:]}"
     return out

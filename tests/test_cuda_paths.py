@@ -34,11 +34,11 @@ def write_dataset(path: Path, vocab: int, num_samples: int = 64, seed: int = 0) 
 
 
 def test_extract_train_export_on_cuda(tmp_path):
-    from eagle3flow.export import export_draft
-    from eagle3flow.hidden_states import extract
-    from eagle3flow.shards import load_manifest
-    from eagle3flow.train import train
-    from eagle3flow.vocab import build_vocab_map
+    from eagle3flow.export.checkpoint import export_draft
+    from eagle3flow.extract.hf import extract
+    from eagle3flow.extract.shards import load_manifest
+    from eagle3flow.train.trainer import train
+    from eagle3flow.data.vocab import build_vocab_map
 
     target = make_random_llama(tmp_path / "target", hidden_size=256, heads=4, kv_heads=2,
                                intermediate_size=512)
@@ -70,7 +70,7 @@ def test_extract_train_export_on_cuda(tmp_path):
     print("peak GPU memory (MiB):", torch.cuda.max_memory_allocated() / 2**20)
 
 
-# ---- the fast TTT training path (eagle3flow/ttt_attention.py, soft_cross_entropy.py) against
+# ---- the fast TTT training path (eagle3flow/model/kernels/ttt_attention.py, soft_cross_entropy.py) against
 # the exact float32 path it replaces on CUDA
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tails", [(8, 2, 64, 0), (8, 2, 64, 3), (4, 4, 112, 2)])
 def test_flash_cache_tail_attention_matches_exact(heads, kv_heads, head_dim, tails):
-    from eagle3flow.ttt_attention import FlashCacheTailAttention, exact_cache_tail_attention
+    from eagle3flow.model.kernels.ttt_attention import FlashCacheTailAttention, exact_cache_tail_attention
 
     torch.manual_seed(heads + tails)
     b, t = 3, 333                           # not a multiple of the kernel's tiles
@@ -101,7 +101,7 @@ def test_flash_cache_tail_attention_matches_exact(heads, kv_heads, head_dim, tai
 
 
 def test_triton_soft_cross_entropy_matches_reference():
-    from eagle3flow.soft_cross_entropy import soft_cross_entropy, soft_cross_entropy_reference
+    from eagle3flow.model.kernels.soft_cross_entropy import soft_cross_entropy, soft_cross_entropy_reference
 
     torch.manual_seed(0)
     n_teacher, n, vocab = 50, 40, 32000
@@ -126,8 +126,8 @@ def test_triton_soft_cross_entropy_matches_reference():
 def test_ttt_loss_bf16_fast_path_tracks_fp32():
     """ttt_loss under bf16 autocast (flash attention, Triton CE, folded weights) gives the loss
     and gradients of the float32 exact path, on packed samples of unequal lengths."""
-    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
-    from eagle3flow.loss import ttt_loss
+    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.train.loss import ttt_loss
 
     cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
@@ -166,7 +166,7 @@ def test_ttt_loss_bf16_fast_path_tracks_fp32():
 
 
 def test_fused_linear_soft_cross_entropy_matches_reference():
-    from eagle3flow.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy_reference
+    from eagle3flow.model.kernels.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy_reference
 
     torch.manual_seed(1)
     n, hidden, vocab = 300, 256, 32000

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, SHARED
-from eagle3flow.chat_masks import ChatMasker, MaskError, load_tokenizer
-from eagle3flow.dataset import (BadRow, DatasetConfig, DatasetError, conversation_from_record,
+from eagle3flow.data.chat_masks import ChatMasker, MaskError, load_tokenizer
+from eagle3flow.data.dataset import (BadRow, DatasetConfig, DatasetError, conversation_from_record,
                                 make_unique, prepare_dataset)
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -382,7 +382,7 @@ def test_split_and_cap_ignore_row_order(tokenizer_dirs, tmp_path):
 
 def _cli(*args, env_extra=None, timeout=120):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "eagle3flow.dataset", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "eagle3flow.data.dataset", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 

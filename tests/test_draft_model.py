@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3flow.draft_model import DraftConfig, Eagle3Draft, PackedLayout
+from eagle3flow.model.draft import DraftConfig, Eagle3Draft, PackedLayout
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -285,7 +285,7 @@ def test_rope_matches_vllm(scaling):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from eagle3flow.draft_model import apply_rope
+    from eagle3flow.model.draft import apply_rope
 
     cfg = tiny_config(rope_theta=50000.0, head_dim=16, rope_scaling=scaling, max_position_embeddings=1024)
     model = Eagle3Draft(cfg)
@@ -315,7 +315,7 @@ def test_mla_rope_and_softmax_scale_match_vllm(scaling):
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.model_executor.models.deepseek_v2 import yarn_get_mscale
 
-    from eagle3flow.draft_model import apply_rope_interleaved
+    from eagle3flow.model.draft import apply_rope_interleaved
 
     cfg = tiny_config(**{**MLA, "rope_theta": 10000.0, "rope_scaling": scaling, "max_position_embeddings": 4096})
     model = Eagle3Draft(cfg)

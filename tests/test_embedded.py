@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.embedded_corpus import (MAX_ANSWER_CHARS, cap_answer, collect_conversations,
+from eagle3flow.embedded.corpus import (MAX_ANSWER_CHARS, cap_answer, collect_conversations,
                                         first_paragraph, read_conversations)
-from eagle3flow.embedded_tokenizer import (BOS, EOT, SPECIAL_TOKENS, save_tokenizer,
+from eagle3flow.embedded.tokenizer import (BOS, EOT, SPECIAL_TOKENS, save_tokenizer,
                                            special_token_ids, train_tokenizer)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def small_tokenizer(corpus, tmp_path_factory):
 
 def test_corpus_identical_across_processes(tmp_path):
     # Different hash seeds: any set/dict-order dependence would change the bytes.
-    script = ("import sys; from eagle3flow.embedded_corpus import build_corpus; "
+    script = ("import sys; from eagle3flow.embedded.corpus import build_corpus; "
               "build_corpus(sys.argv[1], 4000)")
     for name, seed in (("a.jsonl", "1"), ("b.jsonl", "2")):
         _run(["-c", script, str(tmp_path / name)], 120, {**ENV, "PYTHONHASHSEED": seed})
@@ -162,7 +162,7 @@ def test_training_resumes_to_identical_result(tmp_path):
     import torch
     from transformers import LlamaConfig
 
-    from eagle3flow.embedded import TrainOptions, train_model
+    from eagle3flow.embedded.build import TrainOptions, train_model
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
@@ -201,7 +201,7 @@ def _check_target_dir(target: Path) -> dict:
 
 def test_cli_tiny_build(tmp_path):
     out = tmp_path / "embedded"
-    result = _run(["-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "1",
+    result = _run(["-m", "eagle3flow.embedded.build", "--out-dir", str(out), "--steps", "1",
                    "--max-conversations", "200"], 300)
     assert "embedded train" in result.stderr and "ETA" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["build_stats.json", "conversations.jsonl", "target"]
@@ -224,7 +224,7 @@ def test_cli_tiny_build(tmp_path):
 
 
 def test_cli_rejects_bad_flags(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(tmp_path),
+    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(tmp_path),
                              "--steps", "0"], cwd=REPO, env=ENV, capture_output=True, text=True)
     assert result.returncode != 0 and "--steps" in result.stderr
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3flow.evaluate import (acceptance_summary, compare_outputs, evaluate,
+from eagle3flow.eval.evaluate import (acceptance_summary, compare_outputs, evaluate,
                                  replay_greedy_speculation)
-from eagle3flow.vllm_runner import render_prompts, run_vllm
+from eagle3flow.serving.vllm_runner import render_prompts, run_vllm
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -182,11 +182,11 @@ def export_random_draft(target: Path, out_dir: Path, draft_tokens: list[int] | N
     import numpy as np
     from safetensors.torch import save_file
 
-    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
-    from eagle3flow.export import export_draft
+    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.export.checkpoint import export_draft
     from eagle3flow.layers import default_aux_layer_ids
-    from eagle3flow.target_weights import load_target_config
-    from eagle3flow.vocab import vocab_maps
+    from eagle3flow.target.weights import load_target_config
+    from eagle3flow.data.vocab import vocab_maps
 
     config = load_target_config(target)
     vocab = int(config["vocab_size"])
@@ -273,8 +273,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly."""
     from collections import Counter
 
-    from eagle3flow.hidden_states import extract
-    from eagle3flow.evaluate import main
+    from eagle3flow.extract.hf import extract
+    from eagle3flow.eval.evaluate import main
 
     num_prompts, max_tokens, k = 6, 24, 3
     prompts_file = write_eval_prompts(tmp_path / "eval_prompts.jsonl", num_prompts)
@@ -330,7 +330,7 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
 def test_load_prompt_set_reads_mt_bench_and_messages(chat_target, tmp_path):
     from transformers import AutoTokenizer
 
-    from eagle3flow.evaluate import load_prompt_set
+    from eagle3flow.eval.evaluate import load_prompt_set
 
     tok = AutoTokenizer.from_pretrained(str(chat_target))
     mixed = tmp_path / "mixed.jsonl"
@@ -374,7 +374,7 @@ def test_mt_bench_and_two_drafts_side_by_side(tmp_path):
     from conftest import SHARED
     from transformers import AutoTokenizer
 
-    from eagle3flow.report import evaluation_html
+    from eagle3flow.report.render import evaluation_html
 
     questions = SHARED / "data" / "mt_bench" / "question.jsonl"
     if not questions.exists():

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.draft_model import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
-from eagle3flow.export import export_draft
-from eagle3flow.target_weights import load_target_config, load_target_head
-from eagle3flow.train import build_draft, load_vocab_map
+from eagle3flow.model.draft import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
+from eagle3flow.export.checkpoint import export_draft
+from eagle3flow.target.weights import load_target_config, load_target_head
+from eagle3flow.train.trainer import build_draft, load_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,7 @@ def test_export_roundtrip(random_llama_target, tmp_path):
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = "bfloat16"
     (bf16_target / "config.json").write_text(json.dumps(cfg))
-    subprocess.run([sys.executable, "-m", "eagle3flow.export", "--train-dir", str(tmp_path / "train"),
+    subprocess.run([sys.executable, "-m", "eagle3flow.export.checkpoint", "--train-dir", str(tmp_path / "train"),
                     "--vocab-map", str(vmap), "--target", str(bf16_target),
                     "--out-dir", str(tmp_path / "draft_bf16")], check=True, cwd=REPO)
     assert load_file(str(tmp_path / "draft_bf16" / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
@@ -187,7 +187,7 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import make_hidden_states, make_vocab_map
 
-    from eagle3flow.train import load_trained, train
+    from eagle3flow.train.trainer import load_trained, train
 
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)
@@ -237,9 +237,9 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import make_hidden_states, make_vocab_map
 
-    from eagle3flow.evaluate import evaluate
+    from eagle3flow.eval.evaluate import evaluate
     from eagle3flow.tiny_targets import make_tiny_deepseek_v3
-    from eagle3flow.train import train
+    from eagle3flow.train.trainer import train
 
     target = make_tiny_deepseek_v3(tmp_path / "target", seed=0)
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]

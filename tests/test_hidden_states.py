@@ -15,10 +15,10 @@ import pandas as pd
 import pytest
 import torch
 
-from eagle3flow import hidden_states, shards
-from eagle3flow.hidden_states import (LOADING_LINE, SHARD_DELAY_ENV, capture, extract,
+from eagle3flow.extract import hf as hidden_states, shards
+from eagle3flow.extract.hf import (LOADING_LINE, SHARD_DELAY_ENV, capture, extract,
                                       partition_manifest_name)
-from eagle3flow.shards import main as shards_main
+from eagle3flow.extract.shards import main as shards_main
 
 AUX = [0, 2, 4, 7]  # includes the embeddings (0) and the last layer's input (N-1)
 
@@ -128,7 +128,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path, random_llama_
 
     out = tmp_path / "killed"
     env = {**os.environ, SHARD_DELAY_ENV: "3", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "eagle3flow.hidden_states", "--dataset", str(dataset),
+    cmd = [sys.executable, "-m", "eagle3flow.extract.hf", "--dataset", str(dataset),
            "--target", str(random_llama_target), "--manifest", str(out / "manifest.json"),
            "--cache-root", str(out / "cache"), "--aux-layer-ids", ",".join(map(str, AUX)),
            "--device", "cpu", "--batch-tokens", "96", "--shard-tokens", "120"]

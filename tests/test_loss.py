@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle3flow.draft_model import DraftConfig, Eagle3Draft
-from eagle3flow.loss import _GatherRows, scored_rows, ttt_loss
-from eagle3flow.train_data import to_device
+from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.train.loss import _GatherRows, scored_rows, ttt_loss
+from eagle3flow.train.data import to_device
 
 
 def random_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 
-from eagle3flow.model_card import render
-from eagle3flow.publish import PublishError, plan
+from eagle3flow.export.model_card import render
+from eagle3flow.export.publish import PublishError, plan
 from test_sglang_contract import exported
 
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from eagle3flow.optim import Optimizers, Schedule, build_optimizers, lr_factor
-from eagle3flow.train import copy_target_layer, resolve_train_config, with_noise
+from eagle3flow.train.optim import Optimizers, Schedule, build_optimizers, lr_factor
+from eagle3flow.train.trainer import copy_target_layer, resolve_train_config, with_noise
 
 
 def named_draft_params():
@@ -91,8 +91,8 @@ def test_noise_is_relative_to_each_aux_layers_scale():
 
 
 def test_midlayer_starts_as_the_targets_last_layer(random_llama_target):
-    from eagle3flow.target_weights import load_target_layer
-    from eagle3flow.train import build_draft
+    from eagle3flow.target.weights import load_target_layer
+    from eagle3flow.train.trainer import build_draft
 
     vocab = 512
     t2d = torch.zeros(vocab, dtype=torch.bool)

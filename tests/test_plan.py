@@ -1,4 +1,4 @@
-"""The plan and the disk budget (eagle3flow/plan.py, rules/plan.smk).
+"""The plan and the disk budget (eagle3flow/ops/plan.py, rules/plan.smk).
 
 Projections are checked against real files: a real extraction by Snakemake on a small
 random target (two runs: the dataset first, so the second plan works from its stats),
@@ -20,7 +20,7 @@ from conftest import REPO
 from helpers import write_word_conversations
 from test_workflow import BIN, snakemake, snakemake_env, workflow_copy
 
-from eagle3flow import plan as plan_lib
+from eagle3flow.ops import plan as plan_lib
 
 STAGE_NAMES = [name for name, *_ in plan_lib.STAGES]
 
@@ -42,7 +42,7 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
 
     import torch
 
-    from eagle3flow.draft_model import DraftConfig, Eagle3Draft
+    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
 
     target = json.loads((random_llama_target / "config.json").read_text())
     for overrides, draft_vocab in (({}, 128), ({"intermediate_size": 96}, 300)):
@@ -54,7 +54,7 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
 
     # What train.py checkpoints: trainable weights and the optimizer state after a step,
     # for each optimizer it builds.
-    from eagle3flow.optim import build_optimizers
+    from eagle3flow.train.optim import build_optimizers
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for name in ("adamw", "muon"):
@@ -115,7 +115,7 @@ def extraction_run(tmp_path_factory, random_llama_target):
 
 def test_run_prints_plan_first_and_projected_vs_actual_at_the_end(extraction_run):
     workdir, stdout = extraction_run
-    plan_at = stdout.index("=== plan (eagle3flow.plan) ===")
+    plan_at = stdout.index("=== plan (eagle3flow.ops.plan) ===")
     actual_at = stdout.index("disk (actual)")
     assert plan_at < actual_at, stdout
     table = stdout[plan_at:actual_at]
@@ -169,7 +169,7 @@ def test_too_small_budget_fails_a_real_run_before_any_job(embedded_copy):
 
 
 def test_plan_cli_prints_every_stage_and_refuses_over_budget(embedded_copy):
-    cmd = [sys.executable, "-m", "eagle3flow.plan", "--profile", "profiles/embedded"]
+    cmd = [sys.executable, "-m", "eagle3flow.ops.plan", "--profile", "profiles/embedded"]
     ok = subprocess.run(cmd, cwd=embedded_copy, env=snakemake_env(), capture_output=True,
                         text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -239,8 +239,8 @@ def test_plan_projects_the_regenerated_builtin_prompts(tmp_path):
 def test_plan_projects_a_prompt_file_with_the_targets_answers(tmp_path):
     """A served target answering a prompt-only file: the prompts' bytes say nothing of the
     answers the dataset will hold."""
-    from eagle3flow.builtin_prompts import write_prompts
-    from eagle3flow.pretrained_shape import SMOLLM2_135M
+    from eagle3flow.data.builtin_prompts import write_prompts
+    from eagle3flow.target.shapes import SMOLLM2_135M
 
     target = tmp_path / "target"
     target.mkdir()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow import builtin_prompts
-from eagle3flow.dataset import BadRow, conversation_from_record, iter_conversations
+from eagle3flow.data import builtin_prompts
+from eagle3flow.data.dataset import BadRow, conversation_from_record, iter_conversations
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -20,7 +20,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 @pytest.fixture(scope="module")
 def smollm2_target(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "target"
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.pretrained_target", "--out-dir", str(out)],
+    result = subprocess.run([sys.executable, "-m", "eagle3flow.target.pretrained", "--out-dir", str(out)],
                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "134,515,008 params" in result.stderr
@@ -30,7 +30,7 @@ def smollm2_target(tmp_path_factory) -> Path:
 def test_converted_target_is_a_plain_hf_checkpoint(smollm2_target):
     from safetensors import safe_open
 
-    from eagle3flow.target_weights import load_target_head
+    from eagle3flow.target.weights import load_target_head
 
     config = json.loads((smollm2_target / "config.json").read_text())
     assert "quantization_config" not in config
@@ -54,7 +54,7 @@ def test_converted_target_generates_what_the_gguf_model_generates(smollm2_target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3flow.pretrained_target import load_gguf_model
+    from eagle3flow.target.pretrained import load_gguf_model
 
     gguf_model, gguf_tokenizer = load_gguf_model()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_target)
@@ -79,7 +79,7 @@ def test_converted_target_generates_what_the_gguf_model_generates(smollm2_target
 def test_missing_package_is_named(monkeypatch):
     import importlib.metadata
 
-    from eagle3flow import pretrained_target
+    from eagle3flow.target import pretrained as pretrained_target
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -92,7 +92,7 @@ def test_missing_package_is_named(monkeypatch):
 # --- built-in prompts -------------------------------------------------------------------------
 
 def test_builtin_prompts_are_stable_varied_and_distinct(tmp_path):
-    script = ("import sys; from eagle3flow.builtin_prompts import write_prompts; "
+    script = ("import sys; from eagle3flow.data.builtin_prompts import write_prompts; "
               "write_prompts(sys.argv[1], 1500)")
     for name, seed in (("a.jsonl", "1"), ("b.jsonl", "2")):
         subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], cwd=REPO, check=True,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.dataset import DatasetConfig, iter_conversations, prepare_dataset
-from eagle3flow.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
+from eagle3flow.data.dataset import DatasetConfig, iter_conversations, prepare_dataset
+from eagle3flow.data.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
                                    serve_target, SERVED_NAME)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def embedded(tmp_path_factory) -> Path:
     if existing:
         return Path(existing)
     out = tmp_path_factory.mktemp("embedded_tiny")
-    subprocess.run([sys.executable, "-m", "eagle3flow.embedded", "--out-dir", str(out), "--steps", "80",
+    subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out), "--steps", "80",
                     "--max-conversations", "150"], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=600)
     return out
@@ -160,7 +160,7 @@ def full_run(server, embedded, dataset, tmp_path_factory):
     before = requests_served(server)
     os.environ["EAGLE3FLOW_REGENERATE_API_KEY"] = "sekret-token-123"
     try:
-        result = subprocess.run([sys.executable, "-m", "eagle3flow.regenerate",
+        result = subprocess.run([sys.executable, "-m", "eagle3flow.data.regenerate",
                                  *regenerate_args(dataset, embedded, work, proxy.url)],
                                 env={**ENV, "EAGLE3FLOW_REGENERATE_API_KEY": "sekret-token-123"},
                                 capture_output=True, text=True, timeout=300)
@@ -227,7 +227,7 @@ def test_full_regeneration(full_run, server, dataset, embedded):
 def test_crash_then_resume_sends_only_the_missing(full_run, server, proxy, dataset, embedded, tmp_path):
     slow = proxy({"delay_s": 0.15})
     args = regenerate_args(dataset, embedded, tmp_path, slow.url, max_concurrency=2)
-    child = subprocess.Popen([sys.executable, "-m", "eagle3flow.regenerate", *args], env=ENV,
+    child = subprocess.Popen([sys.executable, "-m", "eagle3flow.data.regenerate", *args], env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cache_files = lambda: list((tmp_path / "cache").glob("*/responses.jsonl"))  # noqa: E731
     deadline = time.monotonic() + 120
@@ -297,7 +297,7 @@ def test_server_errors_are_retried_then_skipped_or_fail(server, proxy, dataset, 
 
 @pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
 def test_fails_early_when_down_or_wrong_model(server, dataset, embedded, tmp_path, capsys):
-    from eagle3flow.regenerate import free_port
+    from eagle3flow.data.regenerate import free_port
 
     before = requests_served(server)
     t0 = time.monotonic()

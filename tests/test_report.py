@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.report import FIGURES, NO_DOWNTIME, build_report
+from eagle3flow.report.render import FIGURES, NO_DOWNTIME, build_report
 
 BIN = Path(sys.executable).parent
 
@@ -140,7 +140,7 @@ rule figures:
         html=report("out/report/evaluation.html", caption="caption.rst", category="Evaluation"),
     log: "logs/figures.log"
     shell:
-        "{PYTHON} -m eagle3flow.report --out-dir out/report --eval-summary {EVAL}"
+        "{PYTHON} -m eagle3flow.report.render --out-dir out/report --eval-summary {EVAL}"
         " --train-metrics {METRICS} --vocab-stats {VOCAB} --dataset-stats {DATASET} {MANIFESTS}"
         " > {{log}} 2>&1"
 '''

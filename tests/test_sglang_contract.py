@@ -1,4 +1,4 @@
-"""The export against SGLang's EAGLE-3 loader contract (eagle3flow/sglang_contract.py, read
+"""The export against SGLang's EAGLE-3 loader contract (eagle3flow/export/sglang_contract.py, read
 from sglang 0.5.23's source): SGLang's CPU build does not install here, so this is the check
 instead of a real load (README, "Serving the draft")."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3flow.export import export_draft
-from eagle3flow.sglang_contract import sglang_problems
-from eagle3flow.target_weights import load_target_config
-from eagle3flow.train import build_draft, load_vocab_map
+from eagle3flow.export.checkpoint import export_draft
+from eagle3flow.export.sglang_contract import sglang_problems
+from eagle3flow.target.weights import load_target_config
+from eagle3flow.train.trainer import build_draft, load_vocab_map
 from test_export import make_vocab, save_train_dir
 
 

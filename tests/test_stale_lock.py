@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.gpu_holders import process_start_ticks
-from eagle3flow.stale_lock import clear_stale_lock
+from eagle3flow.ops.gpu_holders import process_start_ticks
+from eagle3flow.ops.stale_lock import clear_stale_lock
 
 
 def make_lock(workdir: Path, name: str = "0.output.lock") -> Path:
@@ -148,7 +148,7 @@ def test_only_the_provably_dead_lock_files_are_removed(tmp_path, live):
 
 
 def test_record_owner_names_this_process(tmp_path):
-    from eagle3flow.stale_lock import record_owner
+    from eagle3flow.ops.stale_lock import record_owner
 
     lock = make_lock(tmp_path)
     record_owner(tmp_path, [lock])
@@ -178,7 +178,7 @@ def test_record_owner_names_this_process(tmp_path):
     (["python", "-m", "something.else"], False),
 ])
 def test_only_invocations_that_run_jobs_count(argv, runs):
-    from eagle3flow.invocation import runs_jobs
+    from eagle3flow.ops.invocation import runs_jobs
 
     assert runs_jobs(argv) is runs
 

@@ -1,4 +1,4 @@
-"""Streaming partitions (eagle3flow/streaming.py, rules/streaming.smk).
+"""Streaming partitions (eagle3flow/ops/streaming.py, rules/streaming.smk).
 
 Fast: the partition plan equals extraction's, the chain the budget allows, and a
 chained link (real training subprocesses) that starts from the previous link's
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3flow import plan as plan_lib
-from eagle3flow import streaming
+from eagle3flow.ops import plan as plan_lib
+from eagle3flow.ops import streaming
 from test_workflow import kill_when, place_embedded, snakemake, start_snakemake, workflow_copy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_partition_plan_is_extractions():
     """The plan projects partitions without torch; they must be extraction's own."""
     import numpy as np
 
-    from eagle3flow.hidden_states import plan_partitions, plan_shards
+    from eagle3flow.extract.hf import plan_partitions, plan_shards
 
     rng = random.Random(0)
     for _ in range(20):
@@ -325,7 +325,7 @@ def test_drain_stays_down_until_the_last_job_of_alternating_stages(tmp_path):
             assert box.service("drain", "--stage", stage, "--gpus", "8", run_env=run_env).returncode == 0
         for stage in jobs:
             ended = subprocess.run(
-                [sys.executable, "-m", "eagle3flow.service", "stage-ended", "--state-dir", str(box.state_dir),
+                [sys.executable, "-m", "eagle3flow.ops.service", "stage-ended", "--state-dir", str(box.state_dir),
                  "--stage", stage, "--exit-code", "0"], env={**box.env, **run_env}, capture_output=True,
                 text=True, timeout=60)
             assert ended.returncode == 0, ended.stderr

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow import shards
+from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
-from eagle3flow.train import evaluate_split, load_trained, resolve_train_config, train
+from eagle3flow.train.trainer import evaluate_split, load_trained, resolve_train_config, train
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -128,7 +128,7 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
 
 
 def run_cli(inputs, out, cache, env_extra=None, wait=True):
-    cmd = [PY, "-m", "eagle3flow.train", "--train-manifest", str(inputs["train"]),
+    cmd = [PY, "-m", "eagle3flow.train.trainer", "--train-manifest", str(inputs["train"]),
            "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
            "--out-dir", str(out), "--cache-root", str(cache),
            "--config-json", json.dumps({**CONFIG, "epochs": 4, "checkpoint_every": 2})]
@@ -205,7 +205,7 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
 def test_mfu_is_never_above_one():
     """A peak measured while the machine was busy comes out low: the MFU is then measured
     against a second measurement, or unknown, never above 100%."""
-    from eagle3flow.train import PeakFlops
+    from eagle3flow.train.trainer import PeakFlops
 
     peak = PeakFlops(torch.device("cpu"), None)
     first = peak.value

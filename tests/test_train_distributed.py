@@ -15,9 +15,9 @@ import torch
 
 from test_train import CONFIG, losses, make_hidden_states, make_vocab_map
 
-from eagle3flow.launch import command, processes_per_node
-from eagle3flow.train import train
-from eagle3flow.train_data import rank_share
+from eagle3flow.train.launch import command, processes_per_node
+from eagle3flow.train.trainer import train
+from eagle3flow.train.data import rank_share
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_CONFIG = {**CONFIG, "epochs": 3, "checkpoint_every": 2, "nproc": 2}
@@ -32,10 +32,10 @@ def inputs(random_llama_target, tmp_path_factory):
 
 
 def launch(inputs, out, cache, config, env_extra=None, wait=True):
-    """The train rule's command line: eagle3flow.launch -> torchrun -> eagle3flow.train."""
-    cmd = [sys.executable, "-m", "eagle3flow.launch", "--nproc", str(config["nproc"] or "auto"),
+    """The train rule's command line: eagle3flow.train.launch -> torchrun -> eagle3flow.train.trainer."""
+    cmd = [sys.executable, "-m", "eagle3flow.train.launch", "--nproc", str(config["nproc"] or "auto"),
            "--device", config.get("device", "cpu"),
-           "eagle3flow.train", "--", "--train-manifest", str(inputs["train"]),
+           "eagle3flow.train.trainer", "--", "--train-manifest", str(inputs["train"]),
            "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
            "--out-dir", str(out), "--cache-root", str(cache), "--config-json", json.dumps(config)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
@@ -121,8 +121,8 @@ def test_torchrun_two_processes_resume_bitwise_and_match_one_process(inputs, tmp
 SUM_GRADIENTS = r"""
 import sys
 import torch
-from eagle3flow.distributed import init_distributed, sum_gradients
-import eagle3flow.distributed as d
+from eagle3flow.train.distributed import init_distributed, sum_gradients
+import eagle3flow.train.distributed as d
 d.BUCKET_BYTES = 64                        # several buckets
 ctx = init_distributed("cpu")
 params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 40, 7)]
@@ -168,12 +168,12 @@ def test_rank_shares_cover_the_batch_once():
 
 
 def test_launch_commands():
-    assert command("eagle3flow.train", ["--x"], 1, 1)[1:] == ["-m", "eagle3flow.train", "--x"]
-    single_node = command("eagle3flow.train", ["--x"], 8, 1)
+    assert command("eagle3flow.train.trainer", ["--x"], 1, 1)[1:] == ["-m", "eagle3flow.train.trainer", "--x"]
+    single_node = command("eagle3flow.train.trainer", ["--x"], 8, 1)
     assert single_node[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in single_node
     assert single_node[single_node.index("--nproc-per-node") + 1] == "8"
-    multi = command("eagle3flow.train", ["--x"], 8, 4, env={"SLURM_JOB_ID": "77"}, first_host="gpu-a01")
+    multi = command("eagle3flow.train.trainer", ["--x"], 8, 4, env={"SLURM_JOB_ID": "77"}, first_host="gpu-a01")
     assert multi[:2] == ["srun", "--nodes=4"] and "--ntasks-per-node=1" in multi
     assert multi[multi.index("--rdzv-endpoint") + 1].startswith("gpu-a01:")
-    assert multi[multi.index("--nnodes") + 1] == "4" and multi[-2:] == ["eagle3flow.train", "--x"][-2:]
+    assert multi[multi.index("--nnodes") + 1] == "4" and multi[-2:] == ["eagle3flow.train.trainer", "--x"][-2:]
     assert processes_per_node("auto", "cpu") == 1 and processes_per_node("3", "cpu") == 3

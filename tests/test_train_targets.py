@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from test_train import make_vocab_map
 
-from eagle3flow.draft_model import DraftConfig, rope_inv_freq
-from eagle3flow.hidden_states import extract
-from eagle3flow.target_weights import load_target_head
+from eagle3flow.model.draft import DraftConfig, rope_inv_freq
+from eagle3flow.extract.hf import extract
+from eagle3flow.target.weights import load_target_head
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3
-from eagle3flow.train import train
+from eagle3flow.train.trainer import train
 
 HEAD_TENSORS = ("language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
                 "language_model.lm_head.weight")

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 CHECK = r"""
 import torch
-from eagle3flow.soft_cross_entropy import _TritonSoftCE, soft_cross_entropy_reference
+from eagle3flow.model.kernels.soft_cross_entropy import _TritonSoftCE, soft_cross_entropy_reference
 
 torch.manual_seed(0)
 for vocab in (1000, 4096, 5000):          # under, at and over one 4096-column block
@@ -35,8 +35,8 @@ for vocab in (1000, 4096, 5000):          # under, at and over one 4096-column b
     assert err < 1e-2, (vocab, err)
 
 # the teacher's per-row logsumexp and argmax (one block, several blocks, a tie)
-from eagle3flow.soft_cross_entropy import row_logsumexp_argmax
-import eagle3flow.soft_cross_entropy as sce
+from eagle3flow.model.kernels.soft_cross_entropy import row_logsumexp_argmax
+import eagle3flow.model.kernels.soft_cross_entropy as sce
 for vocab in (1000, 9000):
     x = (torch.randn(5, vocab) * 3).to(torch.bfloat16)
     x[1, 10] = x[1, 4100 % vocab] = x[1].max() + 1
@@ -46,7 +46,7 @@ for vocab in (1000, 9000):
     assert torch.equal(idx, x.float().argmax(-1)) and int(idx[1]) == 10, (vocab, idx.tolist())
 
 # the fused lm_head + soft cross-entropy, in two chunks of rows
-from eagle3flow.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy
+from eagle3flow.model.kernels.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy
 x = torch.randn(9, 16)
 w = torch.randn(5000, 16) * 0.5
 teacher = (torch.randn(12, 5000) * 3).to(torch.bfloat16)
@@ -65,7 +65,7 @@ for a, b in ((xf.grad, xr.grad), (wf.grad, wr.grad)):
 
 # the TTT tail merge and its backward: GQA groups of 3 with head_dim not a power of two,
 # one query head per kv head, and kv heads split over several programs (small tiles)
-from eagle3flow import ttt_attention as ta
+from eagle3flow.model.kernels import ttt_attention as ta
 for (b, t, h, g, d, j, tile) in ((2, 5, 6, 2, 12, 3, 4096), (1, 4, 4, 4, 8, 2, 4096),
                                  (1, 3, 9, 3, 8, 2, 16)):
     ta.TAIL_TILE_ELEMENTS = tile

@@ -1,7 +1,7 @@
 """The vLLM extraction backend: same tensors as the HF backend, for Llama and DeepSeek-V3.
 
 The slow tests share one module-scoped run: the real CLI (``python -m
-eagle3flow.hidden_states --backend vllm``) on the CPU build of vLLM, once per target
+eagle3flow.extract.hf --backend vllm``) on the CPU build of vLLM, once per target
 (the embedded target's Llama shape, and a tiny DeepSeek-V3: MLA + MoE), both splits
 through one engine each, the two runs in parallel. The HF backend then extracts the
 same datasets in this process and every tensor is compared.
@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3flow import hidden_states, shards
-from eagle3flow.hidden_states import LOADING_LINE, SHARD_DELAY_ENV, extract
+from eagle3flow.extract import hf as hidden_states, shards
+from eagle3flow.extract.hf import LOADING_LINE, SHARD_DELAY_ENV, extract
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
-from eagle3flow.vllm_extract import (capture_layer_ids, check_layer_ids, find_cache_group,
+from eagle3flow.extract.vllm import (capture_layer_ids, check_layer_ids, find_cache_group,
                                      gather_sample, restore_order)
 from helpers import live_session_members
 from test_hidden_states import write_dataset
@@ -100,7 +100,7 @@ def test_cache_group_found_by_layer_name():
 
 def test_tiny_deepseek_layouts(tmp_path):
     """Flat, nested (Kimi-K2.5 style) and sharded: the same tensors, found by name."""
-    from eagle3flow.target_weights import load_target_config, load_target_head
+    from eagle3flow.target.weights import load_target_config, load_target_head
 
     t0 = time.monotonic()
     flat = make_tiny_deepseek_v3(tmp_path / "flat", seed=3)
@@ -124,7 +124,7 @@ def test_tiny_deepseek_layouts(tmp_path):
 # ----------------------------------------------------------------------------- slow: vLLM
 
 def _cli(target: Path, work: Path, aux: list[int], backend: str) -> list[str]:
-    return [sys.executable, "-m", "eagle3flow.hidden_states", "--backend", backend,
+    return [sys.executable, "-m", "eagle3flow.extract.hf", "--backend", backend,
             "--target", str(target), "--cache-root", str(work / "cache"),
             "--aux-layer-ids", ",".join(map(str, aux)), *OPTIONS,
             "--split-name", "train", "--dataset", str(work / "train.parquet"),
@@ -255,8 +255,8 @@ def test_exported_layer_ids_are_what_vllm_captures(vllm_runs):
     captures for id k is HF's hidden_states[k]; the last state is what lm_head consumes."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3flow.draft_model import DraftConfig
-    from eagle3flow.target_weights import load_target_config
+    from eagle3flow.model.draft import DraftConfig
+    from eagle3flow.target.weights import load_target_config
 
     for name, run in vllm_runs.items():
         manifest = shards.load_manifest(run.work / "vllm" / "eval" / "manifest.json")

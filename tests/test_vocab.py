@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3flow.vocab import build_vocab_map, main, target_vocab_size
+from eagle3flow.data.vocab import build_vocab_map, main, target_vocab_size
 
 VT = 20
 # Assistant (loss_mask 1) counts: 5 x5, 3 x4, 7 x4, 2 x2, 9 x2, 1 x1 -> 18 tokens.

@@ -6,7 +6,7 @@ extraction and trainer on a GPU, where a draft trains in seconds, to choose the
 defaults the CPU benchmark then confirms. Each variant trains the benchmark's budget
 (epochs, batch tokens, TTT steps, draft vocab) and is scored by the simulated
 acceptance length on the eval split, which on the target's own greedy answers is
-exactly greedy speculative decoding's (eagle3flow/train.py, ``evaluate_split``).
+exactly greedy speculative decoding's (eagle3flow/train/trainer.py, ``evaluate_split``).
 
 Stage 1 sweeps the learning rate for each optimizer; stage 2 adds each other knob on
 top of the best of stage 1; stage 3 combines the knobs that helped and repeats the
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.train import train
+from eagle3flow.train.trainer import train
 
 BUDGET = {"epochs": 3, "batch_tokens": 8192, "ttt_steps": 7}
 DRAFT_VOCAB = 8192
@@ -37,11 +37,11 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
     work = args.work
     target = work / "target"
     if not (target / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "eagle3flow.pretrained_target", "--out-dir", target,
+        subprocess.run([sys.executable, "-m", "eagle3flow.target.pretrained", "--out-dir", target,
                         "--gguf", args.gguf], check=True)
     manifests = work / "hs"
     if not (manifests / "eval.json").is_file():
-        subprocess.run([sys.executable, "-m", "eagle3flow.hidden_states", "--target", target,
+        subprocess.run([sys.executable, "-m", "eagle3flow.extract.hf", "--target", target,
                         "--cache-root", work / "cache", "--device", args.device,
                         "--dtype", "bfloat16" if args.device == "cuda" else "float32",
                         "--max-length", "1024",
@@ -50,7 +50,7 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
                        check=True)
     vocab = work / "vocab_map.safetensors"
     if not vocab.is_file():
-        subprocess.run([sys.executable, "-m", "eagle3flow.vocab", "--dataset", args.train, "--target", target,
+        subprocess.run([sys.executable, "-m", "eagle3flow.data.vocab", "--dataset", args.train, "--target", target,
                         "--draft-vocab-size", str(DRAFT_VOCAB), "--out", vocab, "--stats", work / "vocab.json"],
                        check=True)
     return target, manifests / "train.json", manifests / "eval.json", vocab

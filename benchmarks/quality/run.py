@@ -260,7 +260,7 @@ def evaluate(work: Path, results: Path, drafts: dict[str, Path]) -> Path:
               "max_tokens": EVAL["max_tokens"], "num_prompts": 0, "draft_name": main_name,
               "compare_drafts": {name: str(path) for name, path in list(drafts.items())[1:]},
               "prompt_sets": {"mt_bench_turn1": str(mt_bench_first_turns(out / "mt_bench_turn1.jsonl"))}}
-    run([sys.executable, "-m", "eagle3flow.evaluate", "--draft", main_dir,
+    run([sys.executable, "-m", "eagle3flow.eval.evaluate", "--draft", main_dir,
          "--target", results / "pretrained" / "target", "--eval-prompts", results / "dataset" / "eval_prompts.jsonl",
          "--out", out / "summary.json", "--config-json", json.dumps(config)],
         cwd=REPO, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}, log_file=work / "evaluate.log")

@@ -1,0 +1,689 @@
+"""regenerate_responses: the target answers the dataset's prompts itself, through its server.
+
+A draft learns to predict the target; trained on answers someone else wrote it learns
+another distribution. This stage asks the target's own OpenAI-compatible server
+(``/v1/chat/completions``, the production vLLM unit, before any drain) for every
+assistant turn of the dataset; ``prepare_dataset --regenerated`` then trains on them.
+
+Prompts: the conversations ``prepare_dataset`` would use, parsed the same way (same
+sample ids, same order, same ``max_samples`` cap: ``dataset.iter_conversations``).
+A multi-turn conversation is answered turn by turn: turn ``t`` is sent with the user
+turns so far and the target's own answers to turns ``< t`` (their content only, as a
+chat client sends them back). Reasoning a server returns (``reasoning_content`` or
+vLLM's ``reasoning``) is kept in the form the chat template expects: a
+``reasoning_content`` field when the template reads one, else ``<think>...</think>``
+before the answer (``reasoning: auto``; or forced ``field``/``think_tags``/``drop``).
+
+Server: ``base_url`` and ``model`` (or $EAGLE3FLOW_REGENERATE_URL / _MODEL); the
+bearer token only from the environment variable named by ``api_key_env``, never from
+the config (which the report shows) nor the command line (which Snakemake prints),
+and never logged. Before the first prompt the server must list ``model`` at
+``/v1/models``: a server that is down, rejects the token or serves another model
+fails the stage at once. ``--serve-target DIR`` (the embedded default, which has no
+production server) starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 for the
+duration of the run and stops it after.
+
+Politeness: at most ``max_concurrency`` conversations in flight over as many pooled
+keep-alive connections (httpx); 429, 5xx, timeouts and dropped connections are retried
+``max_retries`` times with exponential backoff and jitter (``Retry-After`` honoured);
+any other 4xx fails that prompt at once.
+
+Resume: each finished conversation is appended (one JSON line, flushed) to
+``<cache>/<fingerprint>/responses.jsonl``, keyed by sample id and a hash of its
+prompt turns; the fingerprint covers what determines the answers (model, sampling,
+reasoning form, template kwargs), not the URL or the concurrency. A rerun sends only
+the conversations not in the cache. Failed prompts are not cached (a rerun retries
+them); the stage fails once they exceed ``max_failed_fraction`` of the prompts,
+else they are listed with their reason and skipped.
+
+Outputs (written when every prompt is answered or skipped; stats.json last):
+``responses.jsonl``, one row per sample in prompt order, either
+``{"id", "messages": [...all turns, assistant ones regenerated...], "finish_reasons":
+[...per assistant turn...]}`` or ``{"id", "failed": reason}``; ``stats.json``
+(counts, truncated answers (finish_reason "length"), failures, tokens, tokens/s).
+
+CLI::
+
+    python -m eagle3flow.data.regenerate --input DATA --tokenizer TARGET_DIR --out-dir results/regenerate
+        --cache-root cache/regenerate --config-json '{...regenerate section...}'
+        [--format auto] [--seed 0] [--max-samples N] [--chat-template-kwargs '{}']
+        [--serve-target TARGET_DIR --server-log logs/regenerate_server.log]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+
+from eagle3flow.atomic import write_json
+from eagle3flow.config import schema_defaults
+from eagle3flow.progress import Progress
+
+# The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
+DEFAULTS = schema_defaults("regenerate")
+# What determines the answers: a change starts a new cache directory.
+FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
+REASONING_FORMS = ("auto", "field", "think_tags", "drop")
+URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
+RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+LIST_LIMIT = 1000
+SERVED_NAME = "builtin-target"
+
+
+class RegenerateError(RuntimeError):
+    """The stage cannot go on (server unreachable, wrong model, too many failures)."""
+
+
+class PromptFailed(Exception):
+    """One conversation could not be answered; ``reason`` goes to the stats."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Transient(Exception):
+    """A failure worth retrying (429/5xx, timeout, dropped connection)."""
+
+    def __init__(self, reason: str, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason, self.retry_after = reason, retry_after
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user:password, for messages and stats."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username or parts.password:
+        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+    return urllib.parse.urlunsplit(parts)
+
+
+# ---------------------------------------------------------------- HTTP
+
+class ChatClient:
+    """An OpenAI-compatible server through one pooled ``httpx`` client (keep-alive
+    connections, up to ``max_connections`` at once, the timeout on every request).
+    Thread-safe. Status codes, timeouts and dropped connections are mapped to Transient
+    (retried by :func:`call_with_retries`, whose policy and counts are this stage's) or
+    PromptFailed (any other 4xx)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_connections: int = 16):
+        import httpx
+
+        base = base_url.rstrip("/")
+        self.base = base[:-3] if base.endswith("/v1") else base
+        self.timeout = timeout
+        headers = {"Accept": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections))
+        self._lock = threading.Lock()
+        self.requests = 0
+
+    def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        """The JSON answer; raises Transient or PromptFailed (other 4xx)."""
+        import httpx
+
+        with self._lock:
+            self.requests += 1
+        seconds = timeout or self.timeout
+        try:
+            response = (self._http.post(path, json=body, timeout=seconds) if body is not None
+                        else self._http.get(path, timeout=seconds))
+        except httpx.TimeoutException as error:
+            raise Transient(f"timeout after {seconds:.0f}s on {path}") from error
+        except httpx.TransportError as error:
+            raise Transient(f"connection failed on {path}: {error}") from error
+        if response.status_code >= 400:
+            detail = response.text[:300].strip()
+            reason = (f"HTTP {response.status_code} from {path}: {detail}" if detail
+                      else f"HTTP {response.status_code} from {path}")
+            if response.status_code in RETRYABLE_STATUS:
+                raise Transient(reason, _retry_after(response.headers.get("Retry-After")))
+            raise PromptFailed(reason)
+        try:
+            return response.json()
+        except ValueError as error:  # a 200 whose body is not JSON
+            raise Transient(f"invalid JSON from {path}: {error}") from error
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("/v1/models", timeout=30).get("data", [])]
+
+    def chat(self, body: dict) -> dict:
+        return self._request("/v1/chat/completions", body)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
+
+
+def check_server(client: ChatClient, model: str | None, url: str, api_key_env: str) -> str:
+    """The model name to request; fails clearly when the server is down, rejects the
+    token or does not serve ``model`` (None: the server's only model)."""
+    where = redact_url(url)
+    try:
+        served = client.models()
+    except PromptFailed as error:
+        if "HTTP 401" in error.reason or "HTTP 403" in error.reason:
+            raise RegenerateError(f"the server at {where} rejected the request ({error.reason}); "
+                                  f"put its API token in ${api_key_env}") from None
+        raise RegenerateError(f"the server at {where} answered /v1/models with {error.reason}") from None
+    except Transient as error:
+        raise RegenerateError(f"cannot reach the target's server at {where} ({error.reason}); is it "
+                              f"up? Set regenerate.base_url (or ${URL_ENV}) to its URL") from None
+    if model is None:
+        if len(served) != 1:
+            raise RegenerateError(f"the server at {where} serves {served}: set regenerate.model "
+                                  "(or $" + MODEL_ENV + ") to the target's name")
+        return served[0]
+    if model not in served:
+        raise RegenerateError(f"the server at {where} does not serve model {model!r}; it serves "
+                              f"{served}: set regenerate.model (or ${MODEL_ENV}) to one of them")
+    return model
+
+
+# ---------------------------------------------------------------- one conversation
+
+def prompt_hash(messages: list[dict]) -> str:
+    """What the answers depend on in a conversation: its non-assistant turns and where
+    the assistant turns fall (so a changed dataset row is never served from the cache)."""
+    shape = [m["content"] if m["role"] != "assistant" else None for m in messages]
+    roles = [m["role"] for m in messages]
+    return hashlib.sha256(json.dumps([roles, shape], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def request_seed(seed: int, sample_id: str, turn: int) -> int:
+    """A per-request seed: reproducible sampling whatever the batching, distinct per turn."""
+    digest = hashlib.sha256(f"{seed}\x00{sample_id}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def assistant_message(message: dict, form: str) -> dict:
+    """The server's message as the chat template expects it in training data (its tool
+    calls kept, their arguments parsed as templates take them)."""
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    if not reasoning or form == "drop":
+        kept = {"role": "assistant", "content": content}
+    elif form == "field":
+        kept = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    else:
+        kept = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
+    if message.get("tool_calls"):
+        from eagle3flow.data.dataset import tool_calls_for_templates
+
+        kept["tool_calls"] = tool_calls_for_templates(message["tool_calls"], "the answer")
+    return kept
+
+
+def wire_message(message: dict) -> dict:
+    """A turn as an OpenAI-compatible server takes it back: tool calls with their arguments
+    as a JSON string, a tool's output with the id of the call it answers."""
+    sent = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            sent[key] = message[key]
+    if message.get("tool_calls"):
+        sent["tool_calls"] = [{**call, "function": {**call["function"], "arguments": call["function"]["arguments"]
+                                                    if isinstance(call["function"]["arguments"], str)
+                                                    else json.dumps(call["function"]["arguments"])}}
+                              for call in message["tool_calls"]]
+    return sent
+
+
+def reasoning_form(setting: str, tokenizer_dir: str | None) -> str:
+    """``auto``: a ``reasoning_content`` field when the target's chat template reads one,
+    else think tags inline."""
+    if setting != "auto":
+        return setting
+    template = ""
+    if tokenizer_dir:
+        for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+            path = Path(tokenizer_dir) / name
+            if path.is_file():
+                template += path.read_text(encoding="utf-8", errors="replace")
+    return "field" if "reasoning_content" in template else "think_tags"
+
+
+class Settings:
+    """What one request needs besides the conversation (immutable during a run)."""
+
+    def __init__(self, cfg: dict, model: str, form: str, template_kwargs: dict):
+        self.cfg, self.model, self.form, self.template_kwargs = cfg, model, form, template_kwargs
+
+
+def call_with_retries(client: ChatClient, body: dict, cfg: dict, stop: threading.Event,
+                      counters: dict, lock: threading.Lock) -> dict:
+    """The server's answer; Transient errors retried with exponential backoff + jitter."""
+    attempt = 0
+    while True:
+        try:
+            return client.chat(body)
+        except Transient as error:
+            if attempt >= cfg["max_retries"] or stop.is_set():
+                raise PromptFailed(f"{error.reason} (after {attempt + 1} attempts)") from None
+            delay = min(cfg["max_backoff_s"], cfg["backoff_s"] * 2 ** attempt)
+            delay = delay * (0.5 + random.random() / 2)
+            if error.retry_after is not None:
+                delay = max(delay, min(error.retry_after, cfg["max_backoff_s"]))
+            with lock:
+                counters["retries"] += 1
+            attempt += 1
+            stop.wait(delay)
+
+
+def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, messages: list[dict],
+                        stop: threading.Event, counters: dict, lock: threading.Lock) -> dict:
+    """The conversation with every assistant turn answered by the target, turn by turn.
+
+    Returns the cache entry ``{"id", "prompt_sha", "messages", "finish_reasons",
+    "prompt_tokens", "completion_tokens"}``; raises PromptFailed.
+    """
+    cfg = settings.cfg
+    sent: list[dict] = []      # what the server sees: previous answers as content only
+    kept: list[dict] = []      # what training sees: answers with their reasoning
+    finish_reasons, prompt_tokens, completion_tokens = [], 0, 0
+    tools = getattr(messages, "tools", None)
+    for message in messages:
+        if message["role"] != "assistant":
+            sent.append(wire_message(message))
+            kept.append(dict(message))
+            continue
+        if stop.is_set():
+            raise PromptFailed("stopped")
+        turn = len(finish_reasons)
+        body = {"model": settings.model, "messages": sent, "max_tokens": cfg["max_tokens"],
+                "temperature": cfg["temperature"], "top_p": cfg["top_p"],
+                "seed": request_seed(cfg["seed"], sample_id, turn), **cfg["extra_body"]}
+        if tools:
+            body["tools"] = tools
+        if settings.template_kwargs:
+            body.setdefault("chat_template_kwargs", settings.template_kwargs)
+        answer = call_with_retries(client, body, cfg, stop, counters, lock)
+        try:
+            choice = answer["choices"][0]
+            reply = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise PromptFailed(f"turn {turn}: malformed answer: {json.dumps(answer)[:200]}") from None
+        regenerated = assistant_message(reply, settings.form)
+        if not regenerated["content"].strip() and not regenerated.get("reasoning_content") \
+                and not regenerated.get("tool_calls"):
+            raise PromptFailed(f"turn {turn}: empty answer (finish_reason {choice.get('finish_reason')})")
+        finish_reasons.append(choice.get("finish_reason"))
+        usage = answer.get("usage") or {}
+        prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        completion_tokens += int(usage.get("completion_tokens") or 0)
+        sent.append(wire_message({"role": "assistant", "content": reply.get("content"),
+                                  "tool_calls": reply.get("tool_calls")}))
+        kept.append(regenerated)
+    return {"id": sample_id, "prompt_sha": prompt_hash(messages), "messages": kept,
+            "finish_reasons": finish_reasons, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens}
+
+
+# ---------------------------------------------------------------- cache
+
+class ResponseCache:
+    """``responses.jsonl`` in the cache: one finished conversation per line, appended.
+
+    A line cut by a kill is dropped on open (and truncated away, so the next append
+    starts a fresh line); a later entry for an id wins."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.entries: dict[str, dict] = {}
+        if path.exists():
+            data = path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(end)
+            for line in data[:end].splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                self.entries[entry["id"]] = entry
+        self._file = open(path, "a", encoding="utf-8")
+
+    def add(self, entry: dict) -> None:
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.entries[entry["id"]] = entry
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict) -> str:
+    keys = {k: cfg[k] for k in FINGERPRINT_KEYS}
+    keys.update(model=model, reasoning=form, chat_template_kwargs=template_kwargs)
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the stage
+
+# The serving rate measured while answering, in the cache (the plan projects the rest of
+# an interrupted regeneration from it): rewritten at most every RATE_EVERY_S seconds.
+RATE_FILE = "rate.json"
+RATE_EVERY_S = 5.0
+
+
+def _write_rate(cache_dir: Path, completion_tokens: int, seconds: float) -> None:
+    try:
+        write_json(cache_dir / RATE_FILE, {"completion_tokens": completion_tokens,
+                                           "seconds": round(seconds, 2), "at": time.time()}, indent=None)
+    except OSError:
+        pass
+
+
+def _resolve(cfg: dict | None) -> dict:
+    cfg = {**DEFAULTS, **(cfg or {})}
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown regenerate settings: {sorted(unknown)}")
+    if cfg["reasoning"] not in REASONING_FORMS:
+        raise ValueError(f"regenerate.reasoning {cfg['reasoning']!r} is not one of {REASONING_FORMS}")
+    if cfg["max_concurrency"] < 1:
+        raise ValueError(f"regenerate.max_concurrency must be >= 1, got {cfg['max_concurrency']}")
+    return cfg
+
+
+def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path, cache_root: str | Path,
+               base_url: str, cfg: dict | None = None, tokenizer_dir: str | None = None,
+               template_kwargs: dict | None = None, bad_rows: list[dict] | None = None,
+               progress_interval: float = 5.0) -> dict:
+    """Answer every ``(sample_id, messages)`` with the server at ``base_url``; write
+    ``out_dir/responses.jsonl`` and ``out_dir/stats.json``; return the stats.
+
+    ``messages``: ``[{"role", "content"}, ...]`` ending with an assistant turn (the
+    original answers, replaced). Raises RegenerateError (the outputs are then not
+    written; the cache keeps every conversation already answered).
+    """
+    cfg = _resolve(cfg)
+    template_kwargs = dict(template_kwargs or {})
+    out_dir, t0 = Path(out_dir), time.monotonic()
+    api_key = os.environ.get(cfg["api_key_env"]) or None
+    client = ChatClient(base_url, api_key, cfg["request_timeout_s"], cfg["max_concurrency"])
+    form = reasoning_form(cfg["reasoning"], tokenizer_dir)
+    model_setting = cfg["model"] or os.environ.get(MODEL_ENV) or None
+    # The model name is part of the fingerprint, so without one the server must be asked
+    # even on a rerun with everything cached.
+    model = check_server(client, model_setting, base_url, cfg["api_key_env"])
+    cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs)
+    cache = ResponseCache(cache_dir / "responses.jsonl")
+    todo = [(sid, msgs) for sid, msgs in conversations
+            if cache.entries.get(sid, {}).get("prompt_sha") != prompt_hash(msgs)]
+    total = len(conversations)
+    print(f"regenerate: {total} conversations, {total - len(todo)} already answered in {cache_dir}, "
+          f"sending {len(todo)} to {redact_url(base_url)} (model {model!r}, reasoning as {form}, "
+          f"at most {cfg['max_concurrency']} at a time)", file=sys.stderr, flush=True)
+
+    settings = Settings(cfg, model, form, template_kwargs)
+    failures: list[dict] = []
+    counters = {"retries": 0, "completion_tokens": 0}
+    lock, stop = threading.Lock(), threading.Event()
+    progress = Progress("regenerate", len(todo), "conversations", interval=progress_interval)
+    t_send, rate_written = time.monotonic(), 0.0
+    allowed_failures = cfg["max_failed_fraction"] * total
+    pending: dict = {}
+    pool = ThreadPoolExecutor(max_workers=cfg["max_concurrency"], thread_name_prefix="regenerate")
+    try:
+        queue = iter(todo)
+        while True:
+            # A bounded window of submitted conversations (memory stays flat for any dataset).
+            for sid, msgs in queue:
+                pending[pool.submit(answer_conversation, client, settings, sid, msgs, stop,
+                                    counters, lock)] = sid
+                if len(pending) >= 2 * cfg["max_concurrency"]:
+                    break
+            if not pending:
+                break
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                sid = pending.pop(future)
+                try:
+                    entry = future.result()
+                except PromptFailed as error:
+                    failures.append({"id": sid, "reason": error.reason})
+                    print(f"regenerate: {sid}: failed: {error.reason}", file=sys.stderr, flush=True)
+                    if len(failures) > allowed_failures:
+                        stop.set()
+                        raise RegenerateError(_too_many(failures, total, cfg["max_failed_fraction"]))
+                else:
+                    cache.add(entry)
+                    counters["completion_tokens"] += entry["completion_tokens"]
+                elapsed = max(time.monotonic() - t_send, 1e-9)
+                if elapsed - rate_written >= RATE_EVERY_S:
+                    rate_written = elapsed
+                    _write_rate(cache_dir, counters["completion_tokens"], elapsed)
+                progress.update(1, extra=f"{counters['completion_tokens'] / elapsed:,.0f} tokens/s, "
+                                         f"{len(failures)} failed, {counters['retries']} retries")
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        cache.close()
+        client.close()
+    progress.close()
+
+    stats = _write_outputs(conversations, cache.entries, failures, out_dir, {
+        "server": {"url": redact_url(base_url), "model": model},
+        "settings": {k: cfg[k] for k in FINGERPRINT_KEYS if k != "model"} | {"reasoning": form,
+                                                                             "chat_template_kwargs": template_kwargs},
+        "cache": str(cache_dir),
+        "sent": {"conversations": len(todo), "requests": client.requests - 1,  # minus /v1/models
+                 "retries": counters["retries"], "wall_s": round(time.monotonic() - t0, 1),
+                 "completion_tokens": counters["completion_tokens"],
+                 "tokens_per_s": round(counters["completion_tokens"] / max(time.monotonic() - t0, 1e-9), 1)},
+        "bad_input_rows": {"count": len(bad_rows or []), "rows": (bad_rows or [])[:LIST_LIMIT]},
+    })
+    print(f"regenerate: {stats['regenerated']} conversations regenerated ({stats['turns']} answers, "
+          f"{stats['truncated']['count']} truncated at max_tokens), {stats['failed']['count']} failed "
+          f"-> {out_dir}", file=sys.stderr, flush=True)
+    return stats
+
+
+def _too_many(failures: list[dict], total: int, fraction: float) -> str:
+    first = "; ".join(f"{f['id']} ({f['reason']})" for f in failures[:3])
+    return (f"{len(failures)} of {total} conversations failed ({100.0 * len(failures) / max(total, 1):.2f}% "
+            f"> regenerate.max_failed_fraction {100.0 * fraction:.2f}%); first: {first}. Answers so far "
+            f"are kept in the cache; a rerun sends only the rest")
+
+
+def _write_outputs(conversations, entries: dict, failures: list[dict], out_dir: Path, extra: dict) -> dict:
+    failed = {f["id"]: f["reason"] for f in failures}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    truncated, turns, tokens = [], 0, 0
+    tmp = out_dir / ".responses.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for sid, _ in conversations:
+            if sid in failed:
+                f.write(json.dumps({"id": sid, "failed": failed[sid]}, ensure_ascii=False) + "\n")
+                continue
+            entry = entries[sid]
+            turns += len(entry["finish_reasons"])
+            tokens += entry["completion_tokens"]
+            if "length" in entry["finish_reasons"]:
+                truncated.append(sid)
+            f.write(json.dumps({"id": sid, "messages": entry["messages"],
+                                "finish_reasons": entry["finish_reasons"]}, ensure_ascii=False) + "\n")
+    stats = {
+        "conversations": len(conversations),
+        "regenerated": len(conversations) - len(failed),
+        "turns": turns,
+        "completion_tokens": tokens,
+        "truncated": {"count": len(truncated), "ids": truncated[:LIST_LIMIT],
+                      "note": "finish_reason length: the answer hit regenerate.max_tokens"},
+        "failed": {"count": len(failures), "fraction": len(failures) / max(len(conversations), 1),
+                   "rows": failures[:LIST_LIMIT]},
+        **extra,
+    }
+    stats_tmp = out_dir / ".stats.json.tmp"
+    stats_tmp.write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, out_dir / "responses.jsonl")
+    os.replace(stats_tmp, out_dir / "stats.json")  # last: its presence means complete
+    return stats
+
+
+# ---------------------------------------------------------------- a server of our own
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (even by SIGKILL),
+    so a killed stage never leaves a server behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@contextmanager
+def serve_target(target: str | Path, log_path: str | Path, python: str | None = None,
+                 max_model_len: int = 2048, startup_timeout_s: float = 600.0, port: int | None = None):
+    """Run a vLLM OpenAI server of ``target`` on 127.0.0.1; yield its base URL.
+
+    The server is this process's child (its own process group, SIGTERM if we die) and
+    is stopped on exit: SIGTERM to the group, SIGKILL after 30 s.
+    """
+    port = port or free_port()
+    command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(target), "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+               "--seed", "0", "--enforce-eager", "--disable-uvicorn-access-log"]
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    url = f"http://127.0.0.1:{port}"
+    print(f"regenerate: starting a vLLM server of {target} at {url} (log: {log_path})",
+          file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        t0, deadline = time.monotonic(), time.monotonic() + startup_timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise RegenerateError(f"the vLLM server of {target} exited with code {proc.returncode} "
+                                      f"before it was healthy; last lines of {log_path}:\n"
+                                      + _tail(log_path))
+            if time.monotonic() > deadline:
+                raise RegenerateError(f"the vLLM server of {target} was not healthy after "
+                                      f"{startup_timeout_s:.0f}s; see {log_path}")
+            time.sleep(0.5)
+        print(f"regenerate: server healthy after {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        yield url
+    finally:
+        stop_server(proc)
+        log.close()
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    try:  # engine processes left in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _tail(path, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.regenerate", description=__doc__.split("\n")[0])
+    parser.add_argument("--input", required=True, help="data file, directory or Hub id (as prepare_dataset)")
+    parser.add_argument("--tokenizer", help="target directory: its chat template decides the reasoning form")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--cache-root", required=True)
+    parser.add_argument("--config-json", type=json.loads, default={}, help="the config's regenerate section")
+    parser.add_argument("--format", default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="dataset.seed (the processing order)")
+    parser.add_argument("--max-samples", type=int, default=None, help="dataset.max_samples; 0 = all")
+    parser.add_argument("--chat-template-kwargs", type=json.loads, default={})
+    parser.add_argument("--serve-target", help="start a vLLM server of this target for the run")
+    parser.add_argument("--server-log", default="regenerate_server.log")
+    parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = _resolve(args.config_json)
+        from eagle3flow.data.dataset import iter_conversations
+
+        conversations, bad = [], []
+        for sid, messages in iter_conversations(args.input, args.format, seed=args.seed,
+                                                max_samples=args.max_samples or None):
+            if isinstance(messages, Exception):
+                bad.append({"id": sid, "reason": str(messages)})
+            else:
+                conversations.append((sid, messages))
+        if not conversations:
+            raise RegenerateError(f"{args.input}: no usable conversation to regenerate")
+        kwargs = dict(tokenizer_dir=args.tokenizer, template_kwargs=args.chat_template_kwargs,
+                      bad_rows=bad)
+        base_url = cfg["base_url"] or os.environ.get(URL_ENV)
+        if args.serve_target and not base_url:
+            with serve_target(args.serve_target, args.server_log, args.vllm_python,
+                              cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"]) as url:
+                regenerate(conversations, args.out_dir, args.cache_root, url, cfg, **kwargs)
+        elif base_url:
+            regenerate(conversations, args.out_dir, args.cache_root, base_url, cfg, **kwargs)
+        else:
+            raise RegenerateError(f"no server to ask: set regenerate.base_url (or ${URL_ENV})")
+    except (RegenerateError, ValueError, OSError) as error:
+        print(f"regenerate: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

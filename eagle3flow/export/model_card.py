@@ -1,0 +1,158 @@
+"""The draft's model card: ``results/draft/README.md``, ready for the Hugging Face Hub.
+
+YAML metadata (``base_model``, ``library_name``, ``tags``, ``pipeline_tag``), then what a
+user needs to serve the draft and to judge it: the vLLM and SGLang command lines with the
+speculative settings, the aux layer ids in both conventions, the draft vocabulary and
+its coverage, the training data and budget, and the run's evaluation (acceptance length
+and acceptance per draft position in vLLM for every prompt set, and the exact replay's
+acceptance length for every K), plus anything that keeps an engine from serving the draft
+as trained (eagle3flow/export/sglang_contract.py).
+
+CLI::
+
+    python -m eagle3flow.export.model_card --draft results/draft --eval-summary results/eval/summary.json \\
+        --vocab-stats results/vocab/stats.json --dataset-stats results/dataset/stats.json \\
+        --train-eval results/train/eval.json --base-model NAME --out results/draft/README.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from eagle3flow.atomic import write_text
+from eagle3flow.layers import to_layer_outputs
+from eagle3flow.export.sglang_contract import sglang_problems
+
+
+def _num(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def evaluation_lines(summary: dict) -> list[str]:
+    """The evaluation tables of the run (main draft): vLLM per prompt set, replay vs K."""
+    main = summary["main_draft"]
+    k = summary["settings"]["num_speculative_tokens"]
+    lines = [f"Greedy decoding, {summary['settings']['max_tokens']} output tokens per prompt, vLLM "
+             f"{summary['settings']['vllm_version']} on {summary['settings']['device']} "
+             f"({summary['settings']['dtype']}), K = {k} speculative tokens. Acceptance length = 1 + accepted "
+             "draft tokens per verification step (vLLM's own spec-decode counters); the replay is this "
+             "project's exact simulation of greedy speculative decoding on vLLM's outputs.", ""]
+    rows = []
+    for name, by_draft in summary["results"].items():
+        r = by_draft[main]
+        src = summary["prompt_sets"][name]
+        rows.append([name, str(src["num_prompts"]), _num(r["vllm"]["acceptance_length"]),
+                     " / ".join(_num(a, ".2f") for a in r["vllm"]["acceptance_rate_per_position"]),
+                     _num(r["simulated"]["acceptance_length"]),
+                     "identical" if r["lossless"]["passed"] else "DIFFER"])
+    lines += _table(["prompt set", "prompts", f"acceptance length (vLLM, K={k})",
+                     "acceptance per position", "replay", "greedy outputs vs target alone"], rows)
+    max_k = summary["settings"].get("replay_max_k") or k
+    lines += ["", "Acceptance length vs K (exact replay):", ""]
+    lines += _table(["prompt set"] + [f"K={j}" for j in range(1, max_k + 1)],
+                    [[name] + [_num(by_draft[main]["acceptance_length_vs_k"].get(str(j)))
+                               for j in range(1, max_k + 1)]
+                     for name, by_draft in summary["results"].items()])
+    sweep = (summary.get("vllm_k_sweep_by_draft") or {})
+    served = [[name, str(x), _num(v["acceptance_length"])] for name, by_draft in sweep.items()
+              for x, v in sorted((by_draft.get(main) or {}).items(), key=lambda i: int(i[0]))]
+    if served:
+        lines += ["", "vLLM itself at more K:", ""] + _table(["prompt set", "K", "acceptance length"], served)
+    return lines
+
+
+def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | None, train_eval: dict | None,
+           base_model: str) -> str:
+    config = json.loads((draft_dir / "config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    ids = config["eagle_aux_hidden_state_layer_ids"]
+    k = summary["settings"]["num_speculative_tokens"] if summary else 3
+    mla = config["architectures"][0] == "Eagle3DeepseekV2ForCausalLM"
+    tags = ["speculative-decoding", "eagle3", "eagle3flow", "draft-model"] + (["mla"] if mla else [])
+    lines = ["---", f"base_model: {base_model}", "library_name: vllm", "pipeline_tag: text-generation",
+             "tags:"] + [f"- {t}" for t in tags] + ["---", "",
+             f"# EAGLE-3 draft for {base_model}", "",
+             f"A one-layer EAGLE-3 draft head ({config['architectures'][0]}) trained with training-time test on "
+             f"{base_model}'s own hidden states by eagle3flow and exported as vLLM and "
+             "SGLang load it. It speculates for that target only: the target verifies every token, so outputs "
+             "are the target's.", "", "## Serve it", "", "vLLM:", "", "```bash",
+             f"vllm serve {base_model} --speculative-config \\",
+             f"  '{{\"method\": \"eagle3\", \"model\": \"<this directory or repo>\", \"num_speculative_tokens\": {k}}}'",
+             "```", ""]
+    problems = sglang_problems(config, names)
+    if problems:
+        lines += ["SGLang would not serve this draft as trained: " + "; ".join(problems) + ".", ""]
+    else:
+        lines += ["SGLang (0.5.23 or newer):", "", "```bash",
+                  f"python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE3 \\",
+                  f"  --speculative-draft-model-path <this directory or repo> --speculative-num-steps {k} \\",
+                  f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```", ""]
+    coverage = vocab.get("coverage")
+    lines += ["## What it reads and predicts", "",
+              f"- Aux hidden states of target layers {ids} in vLLM's convention (the input of decoder layer k, "
+              f"`eagle_aux_hidden_state_layer_ids`), i.e. the outputs of layers {to_layer_outputs(ids)} as "
+              "SGLang and the EAGLE-3 paper count them (`eagle_config`).",
+              f"- Draft vocabulary: {config.get('draft_vocab_size')} of the target's {config['vocab_size']} "
+              f"tokens, covering {_num(100 * coverage if coverage is not None else None, '.2f')}% of the "
+              f"assistant tokens of the training data (`d2t`/`t2d`).",
+              f"- Architecture flags: " + (", ".join(f for f in ("norm_before_fc", "fc_norm", "norm_before_residual",
+                                                                 "norm_output") if config.get(f)) or "none"), ""]
+    if dataset:
+        splits = dataset["splits"]
+        regenerated = (dataset.get("regenerated") or {}).get("samples", 0)
+        lines += ["## Training data", "",
+                  f"{splits['train']['samples']:,} conversations ({splits['train']['tokens']:,} tokens) for training, "
+                  f"{splits['eval']['samples']:,} held out; "
+                  + (f"answers written by the target itself ({regenerated:,} regenerated)."
+                     if regenerated else "the dataset's own answers."), ""]
+    if train_eval:
+        cfg = train_eval.get("train_config") or {}
+        lines += [f"Trained {train_eval.get('steps')} steps ({cfg.get('epochs')} epochs of {cfg.get('batch_tokens')}-"
+                  f"token batches, {cfg.get('ttt_steps')} TTT steps, {cfg.get('optimizer')} at lr {cfg.get('lr')}).", ""]
+    if summary:
+        lines += ["## Evaluation", ""] + evaluation_lines(summary) + [""]
+    return "\n".join(lines) + "\n"
+
+
+def base_model_name(target: str, configured: str | None) -> str:
+    """The Hub id to name: the configured one, else the target's own record of it, else its directory."""
+    if configured:
+        return configured
+    try:
+        config = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    name = config.get("_name_or_path") or ""
+    return name if name and not os.path.isabs(name) and not name.startswith(".") else Path(target).resolve().name
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.export.model_card", description=__doc__.split("\n")[0])
+    parser.add_argument("--draft", required=True, type=Path)
+    parser.add_argument("--eval-summary", type=Path)
+    parser.add_argument("--vocab-stats", required=True, type=Path)
+    parser.add_argument("--dataset-stats", type=Path)
+    parser.add_argument("--train-eval", type=Path)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--base-model", default=None)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
+    card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
+                  read(args.train_eval), base_model_name(args.target, args.base_model))
+    write_text(args.out, card)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

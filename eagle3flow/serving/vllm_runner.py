@@ -1,0 +1,412 @@
+"""Run one vLLM engine over token-id prompts in a subprocess and record what it did.
+
+Why a subprocess: vLLM keeps memory, threads and a global Prometheus registry for the
+life of the process, so two engines (baseline and speculative) in one process would
+mix their counters; a child process per engine also lets the caller use another
+Python (a CUDA build of vLLM in its own venv) through ``--python``.
+
+Request JSON (written by :func:`run_vllm`, read by :func:`main`)::
+
+    {"target": DIR, "prompts": [{"id": str, "prompt_token_ids": [int, ...]}, ...],
+     "sets": null | [{"name": str, "prompts": [...as above...],
+                      "conversations": [{"id": str, "messages": [...], "turns": [str, ...]}]}],
+     "chat_template_kwargs": {},
+     "speculative_config": null | {"method": "eagle3", "model": DRAFT_DIR,
+                                   "num_speculative_tokens": K},
+     "max_tokens": 64, "max_model_len": 2048, "dtype": "auto", "device": "auto",
+     "tensor_parallel_size": 1, "enforce_eager": null, "gpu_memory_utilization": 0.85,
+     "ignore_eos": false, "seed": 0}
+
+Result JSON::
+
+    {"vllm_version", "device", "dtype", "speculative_config", "load_time_s", "wall_time_s",
+     "num_output_tokens", "output_tokens_per_s",
+     "outputs": [{"id", "prompt_len", "prompt_token_ids", "output_token_ids", "finish_reason",
+                  "conversation", "turn",
+                  "spec_decode": null | {"histogram", "num_draft_tokens",
+                                         "per_step_accepted", "per_step_drafted"}}],
+     "spec_decode": null | {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                            "num_accepted_tokens_per_pos": [K ints]},
+     "sets": [{"name", "wall_time_s", "num_output_tokens", "output_tokens_per_s",
+               "outputs": [...], "spec_decode": ...}]}
+
+Prompt sets (``sets``; without it ``prompts`` is one set named ``default``) run one
+after the other in the same engine, each timed on its own. A set's ``prompts`` are
+single generations; its ``conversations`` are answered turn by turn (MT-bench): turn
+``t``'s prompt is ``messages`` + the user turns so far with this engine's own greedy
+answers in between, rendered here with the target's chat template; their outputs are
+named ``<id>#<turn>`` (turn from 1). Top-level ``outputs``/timings/counters are the
+totals over all sets.
+
+Greedy decoding (temperature 0). Prompts are token ids rendered by the caller, so
+every engine sees exactly the same input. This module imports only the standard
+library at import time: it must run under any Python that has vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3flow.atomic import write_json
+from eagle3flow.jsonl import iter_jsonl
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+REQUEST_DEFAULTS = {
+    "speculative_config": None,
+    "max_tokens": 64,
+    "max_model_len": 2048,
+    "dtype": "auto",
+    "device": "auto",
+    "tensor_parallel_size": 1,
+    "enforce_eager": None,          # None: True on CPU (no graph capture there), False on GPU
+    "gpu_memory_utilization": 0.85,
+    "ignore_eos": False,
+    "seed": 0,
+    "sets": None,
+    "chat_template_kwargs": {},
+}
+
+
+def render_prompts(eval_prompts_jsonl: str | os.PathLike, target_path: str | os.PathLike,
+                   num_prompts: int | None = None) -> list[dict]:
+    """Render ``{"id", "messages"}`` rows with the target's chat template into token ids.
+
+    Done here, outside vLLM, so the baseline and speculative engines (and the HF replay)
+    all see identical ids. Returns ``[{"id", "prompt_token_ids"}]`` for the first
+    ``num_prompts`` rows (all when None).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{target_path}: the tokenizer has no chat_template; cannot render "
+                         f"the eval prompts")
+    prompts = []
+    for where, row in iter_jsonl(eval_prompts_jsonl):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages or "id" not in row:
+            raise ValueError(f"{where}: need fields 'id' and a non-empty 'messages' list")
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        ids = [int(t) for t in encoded["input_ids"]]
+        if not ids:
+            raise ValueError(f"{where} (id {row['id']}): renders to no tokens")
+        prompts.append({"id": str(row["id"]), "prompt_token_ids": ids})
+    if not prompts:
+        raise ValueError(f"{eval_prompts_jsonl}: no prompts")
+    return prompts
+
+
+def run_vllm(request: dict, out_json: str | os.PathLike, python: str | None = None,
+             timeout: float | None = None, log_path: str | os.PathLike | None = None) -> dict:
+    """Run :func:`generate` in a child ``python -m eagle3flow.serving.vllm_runner``; return its result.
+
+    ``python`` selects the interpreter that has vLLM (default: this one). The child's
+    stdout/stderr go to ``log_path`` when given (else inherited, i.e. the rule's log).
+    """
+    out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    request_path = out_json.with_name(out_json.stem + ".request.json")
+    with open(request_path, "w") as f:
+        json.dump(request, f)
+    env = dict(os.environ)
+    # The child may be another venv without eagle3flow installed: put this repo first.
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = [python or sys.executable, "-m", "eagle3flow.serving.vllm_runner",
+           "--request", str(request_path), "--out", str(out_json)]
+    if out_json.exists():
+        out_json.unlink()
+    log = open(log_path, "w") if log_path else None
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                              timeout=timeout)
+    finally:
+        if log:
+            log.close()
+    if proc.returncode != 0 or not out_json.exists():
+        where = f"; see {log_path}" if log_path else ""
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {' '.join(cmd)}{where}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def _spec_decode_counters(metrics) -> dict:
+    """Sum vLLM's spec-decode Prometheus counters over engines (labels)."""
+    totals = {name: 0 for name in SPEC_COUNTERS.values()}
+    per_pos: list[int] = []
+    for metric in metrics:
+        if metric.name in SPEC_COUNTERS:
+            totals[SPEC_COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == SPEC_PER_POS:
+            values = list(metric.values)
+            per_pos += [0] * (len(values) - len(per_pos))
+            for i, v in enumerate(values):
+                per_pos[i] += int(v)
+    totals["num_accepted_tokens_per_pos"] = per_pos
+    return totals
+
+
+def _counter_delta(after: dict, before: dict) -> dict:
+    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+    pos_before = before["num_accepted_tokens_per_pos"]
+    pos_before = pos_before + [0] * (len(after["num_accepted_tokens_per_pos"]) - len(pos_before))
+    delta["num_accepted_tokens_per_pos"] = [
+        a - b for a, b in zip(after["num_accepted_tokens_per_pos"], pos_before)]
+    return delta
+
+
+def _request_metrics(completion) -> dict | None:
+    m = getattr(completion, "spec_decode_metrics", None)
+    if m is None:
+        return None
+    return {"histogram": list(m.histogram), "num_draft_tokens": int(m.num_draft_tokens),
+            "per_step_accepted": list(m.per_step_accepted),
+            "per_step_drafted": list(m.per_step_drafted)}
+
+
+def cpu_engine_options(target_config: dict, dtype: str) -> dict:
+    """vLLM CPU engine options a target needs to compute what transformers computes.
+
+    An MLA target (DeepSeek-V2/V3, Kimi-K2: ``kv_lora_rank`` in its config): the CPU
+    rotary custom op gives silently wrong MLA outputs (the native one is right); and on
+    hosts with AMX, vLLM prefers its AMX MLA kernels, which take only bf16/fp16/int8
+    weights and refuse a float32 engine: there the reference CPU_MLA backend is asked for.
+    """
+    options: dict = {"enforce_eager": True}
+    if "kv_lora_rank" in target_config:
+        options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+        if dtype == "float32":
+            options["attention_config"] = {"backend": "CPU_MLA"}
+    return options
+
+
+def generate(request: dict) -> dict:
+    """Load one engine, generate greedily for every prompt, return the result dict."""
+    request = {**REQUEST_DEFAULTS, **request}
+    for field in ("target",):
+        if field not in request:
+            raise ValueError(f"vLLM request: missing field {field!r}")
+    if not (Path(request["target"]) / "config.json").is_file():
+        raise FileNotFoundError(f"vLLM request: target {request['target']} has no config.json")
+    if not request.get("prompts") and not request.get("sets"):
+        raise ValueError("vLLM request: no prompts")
+    for prompt_set in request.get("sets") or []:
+        if not prompt_set.get("prompts") and not prompt_set.get("conversations"):
+            raise ValueError(f"vLLM request: set {prompt_set.get('name')!r} has no prompts")
+    device = request["device"]
+    if device == "cpu" or device == "auto":
+        # Must be set before vLLM is imported; 1 GiB of KV cache is plenty for eval.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if int(request["tensor_parallel_size"]) == 1:
+        # One engine, one process: no engine-core/worker children to start (each would
+        # import torch and vLLM again) or to leave behind, and the metrics registry is ours.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    if device == "auto":
+        device = "cpu" if on_cpu else current_platform.device_type
+    if device == "cpu" and not on_cpu:
+        raise ValueError(f"device=cpu asked, but this vLLM build targets "
+                         f"{current_platform.device_type}")
+    if device != "cpu" and on_cpu:
+        raise ValueError(f"device={device} asked, but this vLLM build ({vllm.__version__}) is "
+                         f"CPU-only; pass the Python of a GPU build with --python")
+    enforce_eager = request["enforce_eager"]
+    if enforce_eager is None:
+        enforce_eager = on_cpu
+    spec = request["speculative_config"]
+    kwargs = dict(model=str(request["target"]), dtype=request["dtype"],
+                  max_model_len=int(request["max_model_len"]),
+                  tensor_parallel_size=int(request["tensor_parallel_size"]),
+                  enforce_eager=bool(enforce_eager), seed=int(request["seed"]),
+                  disable_log_stats=False)  # get_metrics() asserts stat logging is on
+    if int(request["tensor_parallel_size"]) == 1:
+        kwargs["distributed_executor_backend"] = "uni"
+    if on_cpu:
+        from eagle3flow.target.weights import load_target_config
+
+        kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
+                                                           str(request["dtype"])).items()
+                       if k != "enforce_eager"})
+    else:
+        kwargs["gpu_memory_utilization"] = float(request["gpu_memory_utilization"])
+    if spec:
+        kwargs["speculative_config"] = dict(spec)
+        backend = (kwargs.get("attention_config") or {}).get("backend")
+        if backend:   # an MLA draft picks its own backend: the same one as its target
+            kwargs["speculative_config"].setdefault("attention_backend", backend)
+        # Per-request acceptance per verify step: lets the caller compare prompt by prompt.
+        kwargs["per_request_spec_decode_metrics"] = "detailed"
+
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_time = time.perf_counter() - t0
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]),
+                            ignore_eos=bool(request["ignore_eos"]))
+    sets = request["sets"] or [{"name": "default", "prompts": request["prompts"]}]
+    first = next(([{"prompt_token_ids": list(p["prompt_token_ids"])}] for s in sets
+                  for p in (s.get("prompts") or [])[:1]), None)
+    tokenizer = None
+    if any(s.get("conversations") for s in sets):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(request["target"]))
+        if first is None:
+            conv = next(c for s in sets for c in s.get("conversations") or [])
+            first = [{"prompt_token_ids": _render_turn(tokenizer, _turn_messages(conv, 0, []),
+                                                       request["chat_template_kwargs"])}]
+    # Warm-up outside the timed run (first-call allocations, lazy kernel init); its
+    # spec-decode counts are subtracted below.
+    llm.generate(first, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    from eagle3flow.progress import Progress
+    progress = Progress("vllm[" + ("eagle3" if spec else "baseline") + "]",
+                        total=sum(_num_generations(s) for s in sets), unit="generations")
+    set_results = []
+    for prompt_set in sets:
+        progress.extra = f"set {prompt_set['name']}"
+        set_results.append(_generate_set(llm, prompt_set, params, spec, tokenizer,
+                                         request, progress))
+    progress.close()
+
+    outputs = [o for r in set_results for o in r["outputs"]]
+    wall = sum(r["wall_time_s"] for r in set_results)
+    num_out = sum(r["num_output_tokens"] for r in set_results)
+    totals = None
+    if spec:
+        totals = {k: sum(r["spec_decode"][k] for r in set_results) for k in SPEC_COUNTERS.values()}
+        width = max(len(r["spec_decode"]["num_accepted_tokens_per_pos"]) for r in set_results)
+        totals["num_accepted_tokens_per_pos"] = [
+            sum((r["spec_decode"]["num_accepted_tokens_per_pos"] + [0] * width)[j]
+                for r in set_results) for j in range(width)]
+    return {
+        "vllm_version": vllm.__version__,
+        "device": device,
+        "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
+        "speculative_config": spec,
+        "load_time_s": load_time,
+        "wall_time_s": wall,
+        "num_output_tokens": num_out,
+        "output_tokens_per_s": num_out / wall if wall > 0 else None,
+        "outputs": outputs,
+        "spec_decode": totals,
+        "sets": set_results,
+    }
+
+
+def _num_generations(prompt_set: dict) -> int:
+    return (len(prompt_set.get("prompts") or [])
+            + sum(len(c["turns"]) for c in prompt_set.get("conversations") or []))
+
+
+def _turn_messages(conversation: dict, turn: int, answers: list[str]) -> list[dict]:
+    """The messages before turn ``turn``'s answer: the conversation's own leading
+    messages, then each user turn followed by its greedy answer."""
+    messages = list(conversation.get("messages") or [])
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": conversation["turns"][t]})
+        if t < turn:
+            messages.append({"role": "assistant", "content": answers[t]})
+    return messages
+
+
+def _render_turn(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, **(template_kwargs or {}))
+    return [int(t) for t in encoded["input_ids"]]
+
+
+def _generate_set(llm, prompt_set: dict, params, spec, tokenizer, request: dict,
+                  progress) -> dict:
+    """Generate one prompt set: its single prompts in one batch, then its conversations
+    one turn at a time (every conversation's turn t in one batch)."""
+    max_len = int(request["max_model_len"])
+    before = _spec_decode_counters(llm.get_metrics()) if spec else None
+    wall = 0.0
+    outputs = []
+
+    def run(items):
+        nonlocal wall
+        for item in items:
+            if len(item["prompt_token_ids"]) + int(request["max_tokens"]) > max_len:
+                raise ValueError(f"set {prompt_set['name']}, prompt {item['id']}: "
+                                 f"{len(item['prompt_token_ids'])} tokens + max_tokens "
+                                 f"{request['max_tokens']} > max_model_len {max_len}")
+        t0 = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": list(i["prompt_token_ids"])} for i in items],
+                               params, use_tqdm=False)
+        wall += time.perf_counter() - t0
+        done = []
+        for item, r in zip(items, results):
+            c = r.outputs[0]
+            done.append({**{k: v for k, v in item.items() if k != "prompt_token_ids"},
+                         "prompt_len": len(item["prompt_token_ids"]),
+                         "prompt_token_ids": list(item["prompt_token_ids"]),
+                         "output_token_ids": [int(t) for t in c.token_ids],
+                         "finish_reason": c.finish_reason,
+                         "spec_decode": _request_metrics(c) if spec else None})
+        progress.update(len(items))
+        return done
+
+    prompts = prompt_set.get("prompts") or []
+    if prompts:
+        outputs += run([{"id": p["id"], "prompt_token_ids": p["prompt_token_ids"]}
+                        for p in prompts])
+    conversations = prompt_set.get("conversations") or []
+    answers: dict[str, list[str]] = {c["id"]: [] for c in conversations}
+    for turn in range(max((len(c["turns"]) for c in conversations), default=0)):
+        active = [c for c in conversations if turn < len(c["turns"])]
+        items = [{"id": f"{c['id']}#{turn + 1}", "conversation": c["id"], "turn": turn + 1,
+                  "prompt_token_ids": _render_turn(tokenizer,
+                                                   _turn_messages(c, turn, answers[c["id"]]),
+                                                   request["chat_template_kwargs"])}
+                 for c in active]
+        done = run(items)
+        for c, o in zip(active, done):
+            answers[c["id"]].append(tokenizer.decode(o["output_token_ids"],
+                                                     skip_special_tokens=True))
+        outputs += done
+    num_out = sum(len(o["output_token_ids"]) for o in outputs)
+    return {"name": prompt_set["name"], "wall_time_s": wall, "num_output_tokens": num_out,
+            "output_tokens_per_s": num_out / wall if wall > 0 else None, "outputs": outputs,
+            "spec_decode": _counter_delta(_spec_decode_counters(llm.get_metrics()), before)
+                           if spec else None}
+
+
+def main(argv=None) -> None:
+    """CLI: ``python -m eagle3flow.serving.vllm_runner --request REQ.json --out RESULT.json``.
+
+    REQ.json is the request described in the module docstring; the result is written
+    atomically to RESULT.json.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--request", required=True, help="request JSON (see module docstring)")
+    parser.add_argument("--out", required=True, help="result JSON to write")
+    args = parser.parse_args(argv)
+    with open(args.request) as f:
+        request = json.load(f)
+    result = generate(request)
+    out = Path(args.out)
+    write_json(out, result, indent=None)
+
+
+if __name__ == "__main__":
+    main()
