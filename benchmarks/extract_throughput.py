@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle3flow.extract import shards  # noqa: E402
-from eagle3flow.extract.hf import (capture, check_disk_room, model_cache_key, prepare,  # noqa: E402
-                                      run)
+from eagle3flow.extract.extraction import check_disk_room, prepare  # noqa: E402
+from eagle3flow.extract.hf import capture, model_cache_key, run  # noqa: E402
 from eagle3flow.layers import default_aux_layer_ids  # noqa: E402
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B, rope scaling aside).

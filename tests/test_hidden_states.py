@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 import torch
 
-from eagle3flow.extract import hf as hidden_states, shards
-from eagle3flow.extract.hf import (LOADING_LINE, SHARD_DELAY_ENV, capture, extract,
-                                      partition_manifest_name)
+from eagle3flow.extract import extraction, hf as hidden_states, shards
+from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
+from eagle3flow.extract.hf import capture, extract
+from eagle3flow.extract.shard_plan import partition_manifest_name
 from eagle3flow.extract.shards import main as shards_main
 
 AUX = [0, 2, 4, 7]  # includes the embeddings (0) and the last layer's input (N-1)
@@ -333,7 +334,7 @@ def test_disk_without_room_fails_before_the_model_loads(tmp_path, random_llama_t
     per_token = (len(AUX) + 1) * 64 * 4 + 5
     real = shutil.disk_usage
     # The disk: as many bytes free as the shards need, minus one token's worth.
-    monkeypatch.setattr(hidden_states.shutil, "disk_usage", lambda path: real(path)._replace(
+    monkeypatch.setattr(extraction.shutil, "disk_usage", lambda path: real(path)._replace(
         free=table_tokens * per_token - per_token))
     with pytest.raises(OSError, match=r"GiB free, but the shards still to extract need about .* "
                                       rf"{table_tokens:,} tokens x {per_token:,} bytes.*fp8"):
@@ -386,7 +387,7 @@ def test_target_fingerprint_reads_headers_and_samples_not_the_weights(tmp_path, 
     add_sparse_weight_file(target, 4)
     dataset = write_dataset(tmp_path / "train.parquet", 6)
     before, t0 = read_bytes_so_far(), time.monotonic()
-    x = hidden_states.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache", device="cpu")
+    x = extraction.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache", device="cpu")
     read, took = read_bytes_so_far() - before, time.monotonic() - t0
     assert read < 64 << 20, f"read {read / 2**30:.2f} GiB of weights to fingerprint the target"
     entry = dict((name, rest) for name, *rest in json.loads((x.shard_dir / "fingerprint.json").read_text())
@@ -400,7 +401,7 @@ def test_target_fingerprint_follows_the_weights_not_the_copy(tmp_path, random_ll
     from helpers import make_random_llama
 
     dataset = write_dataset(tmp_path / "train.parquet", 6)
-    key = lambda target: hidden_states.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache",
+    key = lambda target: extraction.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache",
                                                device="cpu").key
     copy = tmp_path / "copy"
     shutil.copytree(random_llama_target, copy, copy_function=shutil.copyfile)   # new mtimes

@@ -39,7 +39,7 @@ def test_partition_plan_is_extractions():
     """The plan projects partitions without torch; they must be extraction's own."""
     import numpy as np
 
-    from eagle3flow.extract.hf import plan_partitions, plan_shards
+    from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 
     rng = random.Random(0)
     for _ in range(20):

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from eagle3flow.extract import hf as hidden_states, shards
-from eagle3flow.extract.hf import LOADING_LINE, SHARD_DELAY_ENV, extract
+from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
+from eagle3flow.extract.hf import extract
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
 from eagle3flow.extract.vllm import (capture_layer_ids, check_layer_ids, find_cache_group,
                                      gather_sample, restore_order)

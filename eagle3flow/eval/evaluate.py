@@ -130,7 +130,7 @@ def _read_draft_config(draft_dir: Path) -> dict:
 def _resolve(device: str, dtype: str):
     import torch
 
-    from eagle3flow.extract.hf import resolve_dtype, resolve_device
+    from eagle3flow.extract.extraction import resolve_dtype, resolve_device
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     return torch_device, torch_dtype, str(torch_dtype).replace("torch.", "")

@@ -1,33 +1,26 @@
-"""Target hidden states for EAGLE-3 training: capture them with HF transformers, cache them as shards.
+"""The HF transformers extraction backend: capture the target's hidden states, write shards.
 
 :func:`capture` runs the target once and returns, per token, the aux hidden states
 (the inputs of decoder layers ``aux_layer_ids``, see eagle3flow/layers.py) and the
 final-norm output (the teacher's logits are ``lm_head(last)``).
 
 :func:`extract` does that for a whole tokenized dataset and writes shards (format in
-docs/formats.md) under ``cache_root/<fingerprint>/``, then the manifest, in two steps
-that other backends reuse: :func:`prepare` checks everything and plans before any
-model loads (bad rows, layer ids, missing weights, the length policy, and with
-:func:`check_disk_room` the disk), then :func:`run` computes the missing shards
-(:class:`HFPipeline`: forward, device-to-host copies and disk writes overlap).
+docs/formats.md) under ``cache_root/<fingerprint>/``, then the manifest:
+:func:`eagle3flow.extract.extraction.prepare` checks and plans before any model loads,
+then :func:`run` computes the missing shards (:class:`HFPipeline`: forward,
+device-to-host copies and disk writes overlap). The model is only loaded if some
+shard is missing.
 
-The plan is deterministic (samples in dataset order, a new shard once ``shard_tokens``
-is reached), so an interrupted run resumes: a shard already on disk that verifies is
-kept as is, and the model is only loaded if some shard is missing. Partitions
-(``partition=(k, N)``) are runs of consecutive shards of that one plan, balanced by
-tokens: N jobs (one per node) share one cache directory and their manifests merge
-into the one a single job writes (``python -m eagle3flow.extract.shards merge``).
+``python -m eagle3flow.extract.hf`` (:func:`main`) is the extraction rule's entry
+point for both backends: ``--backend vllm`` hands the prepared splits to
+eagle3flow/extract/vllm.py.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import json
 import os
 import queue
-import shutil
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,41 +29,23 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
-from safetensors import safe_open
 
-from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
-from eagle3flow.layers import resolve_aux_layer_ids
+from eagle3flow.extract import shards
+from eagle3flow.extract import vllm as vllm_backend
+from eagle3flow.extract.cache import HASH_THREADS
+from eagle3flow.extract.dataset_scan import LENGTH_POLICIES
+from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extraction,
+                                           check_disk_room, log, prepare, shards_to_compute)
+from eagle3flow.extract.shard_plan import ShardPlan
+from eagle3flow.extract.throughput import record_throughput, throughput_path
 from eagle3flow.progress import Progress
 
-# Bump when the way shards are computed changes, so old caches are not reused.
-EXTRACTOR_VERSION = 1
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-# Seconds to sleep after each written shard; lets tests kill a run between shards.
-SHARD_DELAY_ENV = "EAGLE3FLOW_TEST_SHARD_DELAY"
-LOADING_LINE = "loading target"
-# Written beside the manifest: one line per computed shard (split, fingerprint, shard,
-# num_tokens, compute_s, finished_at unix time).
-THROUGHPUT_FILE = "throughput.jsonl"
 # Shard-sized host buffers in rotation. A buffer is held for compute + write of its
 # shard, so with compute ~= write, 2 leave no slack (measured 0.82 of the bound on an
 # H200), 3 absorb the jitter. Costs 3 x shard bytes of pinned memory.
 STAGING_BUFFERS = 3
-# Threads hashing shards (sha256 is ~1 GB/s per core; one file per thread).
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
-# Header bytes of a shard besides ~64 per sample id, for the disk projection.
-SHARD_HEADER_BYTES = 4096
-
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)  # sys.stderr looked up now: tests capture it
 
 
 # ----------------------------------------------------------------------------- capture
@@ -117,280 +92,14 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return aux, out.last_hidden_state
 
 
-# ----------------------------------------------------------------------------- target
-
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
-def read_target_config(target_path: str | os.PathLike) -> dict:
-    """The target's config.json (its text part when nested); checks that weights are there."""
-    target = Path(target_path)
-    config_file = target / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: missing; --target must be an HF model directory")
-    if not weight_files(target):
-        raise FileNotFoundError(
-            f"{target}: no weight files (*{', *'.join(WEIGHT_SUFFIXES)}); is the download complete?")
-    with open(config_file) as f:
-        text = _text_config(json.load(f))
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if key not in text:
-            raise ValueError(f"{config_file}: no '{key}' (nor text_config.{key})")
-    return text
-
-
-def weight_files(target_path: Path) -> list[Path]:
-    return sorted(p for p in Path(target_path).iterdir()
-                  if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-
-
-# The target's weights enter the cache key through a cheap fingerprint, not a hash of
-# their content (minutes on a 540 GB checkpoint, single-threaded, inside the drain):
-# per file its size, the sha256 of its safetensors header (tensor names, dtypes, shapes,
-# offsets) and of FINGERPRINT_SAMPLES blocks of FINGERPRINT_BLOCK bytes spread over its
-# data (any retraining changes them), read by a thread pool and remembered by (path,
-# size, mtime, inode). No mtime in the key itself: a copy of the same weights (cp -r, a
-# restore from backup) keeps its fingerprint, so finished shards are never recomputed
-# for it.
-FINGERPRINT_SAMPLES = 16
-FINGERPRINT_BLOCK = 1 << 16
-FINGERPRINT_THREADS = 8
-
-
-def weight_file_fingerprint(path: Path) -> dict:
-    """``{"bytes", "header_sha256", "sampled_sha256"}`` of one weight file (a few MiB read)."""
-    size = path.stat().st_size
-    header, data_start = b"", 0
-    with open(path, "rb") as f:
-        if path.name.endswith(".safetensors") and size >= 8:
-            length = int.from_bytes(f.read(8), "little")
-            if 0 < length <= min(size - 8, 1 << 30):
-                header, data_start = f.read(length), 8 + length
-        sampled = hashlib.sha256()
-        span = max(0, size - data_start - FINGERPRINT_BLOCK)
-        for k in range(FINGERPRINT_SAMPLES):
-            f.seek(data_start + (span * k // max(1, FINGERPRINT_SAMPLES - 1) if span else 0))
-            sampled.update(f.read(FINGERPRINT_BLOCK))
-    return {"bytes": size, "header_sha256": hashlib.sha256(header).hexdigest() if header else None,
-            "sampled_sha256": sampled.hexdigest()}
-
-
-def _file_stamp(path: Path) -> list[int]:
-    """What says a file is unchanged without reading it: (size, mtime, inode)."""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _read_memo(memo_file: Path) -> dict:
-    """A memo of per-file results keyed by path; empty when missing or unreadable."""
-    try:
-        with open(memo_file) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def target_weights_fingerprint(target_path: Path, cache_root: Path) -> list[list]:
-    """``[[file name, bytes, header sha256, sampled sha256], ...]`` of every weight file,
-    in parallel, remembered in ``cache_root/weights_fingerprint.json`` by (path, size,
-    mtime, inode): a rerun only stats the files."""
-    files = weight_files(target_path)
-    memo_file = cache_root / "weights_fingerprint.json"
-    memo = _read_memo(memo_file)
-    stamps = {p: _file_stamp(p) for p in files}
-    todo = [p for p in files if (memo.get(str(p.resolve())) or {}).get("stamp") != stamps[p]]
-    if todo:
-        with ThreadPoolExecutor(max_workers=min(FINGERPRINT_THREADS, len(todo))) as pool:
-            for p, fp in zip(todo, pool.map(weight_file_fingerprint, todo)):
-                memo[str(p.resolve())] = {"stamp": stamps[p], **fp}
-        write_json(memo_file, memo)
-    out = []
-    for p in files:
-        m = memo[str(p.resolve())]
-        out.append([p.name, m["bytes"], m["header_sha256"], m["sampled_sha256"]])
-    return out
-
-
-def cached_sha256(path: Path, cache_root: Path) -> str:
-    """sha256 of a file, remembered by (path, size, mtime, inode) like git's index.
-
-    The target's weights are hashed once (seconds to minutes); later runs only stat
-    them, so a fully cached rerun reads neither the weights nor the model.
-    """
-    key = str(path.resolve())
-    stamp = _file_stamp(path)
-    memo_file = cache_root / "file_sha256.json"
-    memo = _read_memo(memo_file)
-    hit = memo.get(key)
-    if hit and hit.get("stamp") == stamp:
-        return hit["sha256"]
-    digest = shards.sha256_file(path)
-    memo[key] = {"stamp": stamp, "sha256": digest}
-    write_json(memo_file, memo)
-    return digest
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected auto or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def load_target(target_path, dtype: torch.dtype, device: torch.device):
+    # transformers takes seconds to import: only when a model is loaded (a cached rerun loads none).
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype)
     return model.to(device).eval()
-
-
-# ----------------------------------------------------------------------------- dataset plan
-
-REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask", "num_tokens")
-LENGTH_POLICIES = ("truncate", "drop")
-
-
-@dataclass
-class ShardPlan:
-    index: int
-    start: int        # first dataset row
-    stop: int         # one past the last row
-    num_tokens: int   # after the length policy
-    num_samples: int  # rows of [start, stop) kept by the length policy
-
-
-@dataclass
-class DatasetScan:
-    """Per dataset row: tokens used (0 = dropped by the length policy), assistant tokens
-    used, and whether it was truncated. Arrays ``[rows]``."""
-    lengths: np.ndarray
-    loss_tokens: np.ndarray
-    truncated: np.ndarray
-
-    def totals(self, start: int = 0, stop: int | None = None) -> dict:
-        rows = slice(start, stop)
-        return {"num_loss_tokens": int(self.loss_tokens[rows].sum()),
-                "truncated_samples": int(self.truncated[rows].sum()),
-                "dropped_samples": int((self.lengths[rows] == 0).sum())}
-
-
-def _iter_dataset(path: Path, columns=REQUIRED_COLUMNS, batch_rows: int = 1024,
-                  start: int = 0, stop: int | None = None):
-    """``(first_row, record batch)`` of the dataset, read incrementally (one batch in memory);
-    row groups wholly outside ``[start, stop)`` are not read."""
-    parquet = pq.ParquetFile(str(path))
-    missing = [c for c in REQUIRED_COLUMNS if c not in parquet.schema_arrow.names]
-    if missing:
-        raise ValueError(f"{path}: missing columns {missing} (docs/formats.md, tokenized dataset)")
-    stop = parquet.metadata.num_rows if stop is None else stop
-    groups, first_row, row = [], None, 0
-    for g in range(parquet.metadata.num_row_groups):
-        n = parquet.metadata.row_group(g).num_rows
-        if row < stop and row + n > start:
-            groups.append(g)
-            first_row = row if first_row is None else first_row
-        row += n
-    if not groups:
-        return
-    row = first_row
-    for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=groups, columns=list(columns)):
-        yield row, batch
-        row += batch.num_rows
-
-
-def scan_dataset(path: Path, vocab_size: int, max_length: int | None,
-                 length_policy: str = "truncate") -> DatasetScan:
-    """Check every row; return per-row token counts after the length policy.
-
-    Rows longer than ``max_length`` are cut to it (``truncate``) or left out (``drop``,
-    length 0). Fails naming the row (id) on lists of unequal length, a wrong
-    ``num_tokens``, an empty sample or a token id outside the target's vocab: cheaper
-    here than mid-run.
-    """
-    if length_policy not in LENGTH_POLICIES:
-        raise ValueError(f"length_policy {length_policy!r}: expected one of {LENGTH_POLICIES}")
-    lengths, loss_tokens, truncated, rows = [], [], [], 0
-    for row, batch in _iter_dataset(path):
-        ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
-        n_ids = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
-        n_mask = pc.list_value_length(mask_col).to_numpy(zero_copy_only=False)
-        n_declared = batch.column("num_tokens").to_numpy(zero_copy_only=False)
-        flat = pc.list_flatten(ids_col)
-        lo, hi = pc.min_max(flat).values() if len(flat) else (pa.scalar(0), pa.scalar(0))
-        ids_ok = np.ones(len(n_ids), bool)
-        if lo.as_py() < 0 or hi.as_py() >= vocab_size:
-            ids_ok = np.array([0 <= min(x) and max(x) < vocab_size if x else True
-                               for x in ids_col.to_pylist()])
-        for bad, what in ((n_ids != n_mask, "len(input_ids) != len(loss_mask)"),
-                          (n_ids != n_declared, "num_tokens != len(input_ids)"),
-                          (n_ids == 0, "no tokens"),
-                          (~ids_ok, f"token id outside the target's vocab [0, {vocab_size})")):
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"{path}: row {row + i} (id {batch.column('id')[i]}): {what}")
-        n_ids = n_ids.astype(np.int64)
-        too_long = n_ids > max_length if max_length is not None else np.zeros(len(n_ids), bool)
-        if max_length is not None:
-            mask_col = pc.list_slice(mask_col, 0, max_length)
-            n_ids = np.minimum(n_ids, max_length)
-        loss = np.array([sum(m) for m in mask_col.to_pylist()], np.int64) if len(n_ids) else n_ids
-        if length_policy == "drop":
-            n_ids = np.where(too_long, 0, n_ids)
-            loss = np.where(too_long, 0, loss)
-        lengths.append(n_ids)
-        loss_tokens.append(loss)
-        truncated.append(too_long & (length_policy == "truncate"))
-        rows += batch.num_rows
-    if rows == 0:
-        raise ValueError(f"{path}: the dataset is empty")
-    scan = DatasetScan(np.concatenate(lengths), np.concatenate(loss_tokens), np.concatenate(truncated))
-    if not scan.lengths.any():
-        raise ValueError(f"{path}: all {rows} samples are longer than {max_length} tokens and "
-                         f"length_policy is drop; nothing to extract")
-    return scan
-
-
-def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[ShardPlan]:
-    """Consecutive rows per shard; a shard closes once it holds >= ``shard_tokens``.
-
-    Rows of length 0 (dropped) belong to a shard's row range but hold no sample.
-    """
-    plan, start, tokens, samples = [], 0, 0, 0
-    for row, n in enumerate(lengths.tolist()):
-        tokens += n
-        samples += n > 0
-        if tokens >= shard_tokens:
-            plan.append(ShardPlan(len(plan), start, row + 1, tokens, samples))
-            start, tokens, samples = row + 1, 0, 0
-    if tokens:
-        plan.append(ShardPlan(len(plan), start, len(lengths), tokens, samples))
-    return plan
-
-
-def plan_partitions(plan: list[ShardPlan], count: int) -> list[list[ShardPlan]]:
-    """Split the shards into ``count`` runs of consecutive shards with about equal tokens.
-
-    A shard goes to the partition its token midpoint falls in, so the split depends
-    only on the plan (deterministic, no communication between nodes); with fewer
-    shards than partitions some partitions are empty.
-    """
-    if count < 1:
-        raise ValueError(f"partitions must be >= 1, got {count}")
-    total = sum(p.num_tokens for p in plan)
-    parts: list[list[ShardPlan]] = [[] for _ in range(count)]
-    done = 0
-    for shard in plan:
-        midpoint = done + shard.num_tokens / 2
-        parts[min(count - 1, int(midpoint * count / total))].append(shard)
-        done += shard.num_tokens
-    return parts
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -407,235 +116,6 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
             batches.append([i])
     return batches
 
-
-# ----------------------------------------------------------------------------- extraction plan
-
-def fingerprint(inputs: dict) -> str:
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def throughput_path(manifest_path: Path) -> Path:
-    """The throughput log beside a manifest: ``throughput.jsonl`` for ``manifest.json``,
-    ``<stem>.throughput.jsonl`` for a partition's (merged by ``python -m eagle3flow.extract.shards merge``)."""
-    manifest_path = Path(manifest_path)
-    if manifest_path.name == "manifest.json":
-        return manifest_path.parent / THROUGHPUT_FILE
-    return manifest_path.with_name(f"{manifest_path.stem}.{THROUGHPUT_FILE}")
-
-
-def partition_manifest_name(index: int, count: int) -> str:
-    return f"part-{index}-of-{count}.json"
-
-
-def _entry_file(shard_path: Path) -> Path:
-    return shard_path.with_suffix(".json")
-
-
-def cached_entry(shard_path: Path, plan: ShardPlan) -> dict | None:
-    """The manifest entry of a finished shard, or None when it must be (re)computed.
-
-    Checked: structure (:func:`shards.verify_shard`), the planned sample/token counts,
-    and the sha256 recorded beside it when it was written (catches bit rot, truncation).
-    """
-    if not shard_path.is_file():
-        return None
-    try:
-        with open(_entry_file(shard_path)) as f:
-            recorded = json.load(f)
-    except (OSError, ValueError):
-        recorded = None
-    if not shards.verify_shard(shard_path, recorded["sha256"] if recorded else None):
-        return None
-    entry = recorded or shards.shard_entry(shard_path)
-    if entry["num_samples"] != plan.num_samples or entry["num_tokens"] != plan.num_tokens:
-        return None
-    if not recorded:
-        write_json(_entry_file(shard_path), entry)
-    return entry
-
-
-@dataclass
-class Extraction:
-    """One split's extraction (one partition of it), decided and checked before any model loads."""
-    split_name: str
-    dataset: Path
-    target_path: Path
-    manifest_out: Path
-    shard_dir: Path
-    key: str                        # the cache fingerprint
-    num_layers: int
-    hidden_size: int
-    aux_layer_ids: list[int]
-    device: torch.device
-    dtype: torch.dtype              # compute dtype
-    storage_dtype: str              # the compute dtype's name, or "float8_e4m3fn"
-    batch_tokens: int
-    max_length: int | None          # min(configured max_length, target context)
-    length_policy: str
-    scan: DatasetScan
-    plan: list[ShardPlan]           # this partition's shards
-    partition: tuple[int, int]      # (index, count)
-    entries: dict[int, dict]        # shard index -> manifest entry, for shards already on disk
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def tag(self) -> str:
-        k, n = self.partition
-        return f"extract[{self.split_name}]" + (f"[part-{k}-of-{n}]" if n > 1 else "")
-
-    @property
-    def missing(self) -> list[ShardPlan]:
-        return [p for p in self.plan if p.index not in self.entries]
-
-    @property
-    def bytes_per_token(self) -> int:
-        return shards.bytes_per_token(len(self.aux_layer_ids), self.hidden_size, self.storage_dtype)
-
-    def projected_bytes(self) -> int:
-        """Disk the missing shards will take: tokens x bytes/token + a header per shard."""
-        missing = self.missing
-        return (sum(p.num_tokens for p in missing) * self.bytes_per_token
-                + sum(SHARD_HEADER_BYTES + 64 * p.num_samples for p in missing))
-
-    def rows(self) -> tuple[int, int]:
-        return (self.plan[0].start, self.plan[-1].stop) if self.plan else (0, 0)
-
-    def manifest(self) -> dict:
-        start, stop = self.rows()
-        return {
-            "format": shards.FORMAT, "split": self.split_name, "target_path": str(self.target_path),
-            "num_layers": self.num_layers, "hidden_size": self.hidden_size,
-            "aux_layer_ids": self.aux_layer_ids, "dtype": self.dtype_name,
-            "storage_dtype": self.storage_dtype, "bytes_per_token": self.bytes_per_token,
-            "shard_dir": str(self.shard_dir), "shards": [self.entries[p.index] for p in self.plan],
-            "num_samples": sum(p.num_samples for p in self.plan),
-            "num_tokens": sum(p.num_tokens for p in self.plan),
-            **self.scan.totals(start, stop),
-            "max_length": self.max_length, "length_policy": self.length_policy,
-            "fingerprint": self.key,
-            "partition": {"index": self.partition[0], "count": self.partition[1]},
-        }
-
-    def write_manifest(self) -> dict:
-        """Write the manifest (last: it is the rule's declared output) and return it."""
-        manifest = self.manifest()
-        write_json(self.manifest_out, manifest)
-        log(f"{self.tag}: wrote {self.manifest_out}")
-        return manifest
-
-
-def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids=None,
-            dtype: str = "auto", device: str = "auto", batch_tokens: int = 8192,
-            shard_tokens: int = 32768, max_length: int | None = None,
-            length_policy: str = "truncate", storage_dtype: str = "auto",
-            split_name: str = "train", partition: tuple[int, int] = (0, 1),
-            fingerprint_extra: dict | None = None) -> Extraction:
-    """Everything before the model: check the inputs, plan the shards, find the cached ones.
-
-    Fails early, naming the file/row/field, on a missing dataset or target, a target
-    without weights, layer ids out of range, a bad row or an empty dataset. Samples
-    longer than ``max_length`` or the target's context (``max_position_embeddings``)
-    follow ``length_policy``. ``partition = (k, N)``: only the k-th of N runs of shards
-    (:func:`plan_partitions`). ``fingerprint_extra`` (e.g. another backend's name) goes
-    into the cache key.
-    """
-    dataset_parquet, target_path = Path(dataset_parquet).resolve(), Path(target_path).resolve()
-    cache_root = Path(cache_root).resolve()
-    if batch_tokens < 1 or shard_tokens < 1 or (max_length is not None and max_length < 1):
-        raise ValueError("batch_tokens, shard_tokens and max_length must be >= 1")
-    k, n = partition
-    if not 0 <= k < n:
-        raise ValueError(f"partition {k} of {n}: expected 0 <= index < count")
-    if not dataset_parquet.is_file():
-        raise FileNotFoundError(f"{dataset_parquet}: dataset not found")
-    text_config = read_target_config(target_path)
-    num_layers, hidden_size = int(text_config["num_hidden_layers"]), int(text_config["hidden_size"])
-    aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    dtype_name = str(torch_dtype).removeprefix("torch.")
-    if storage_dtype in ("auto", None, dtype_name):
-        storage = dtype_name
-    elif shards.is_fp8(storage_dtype):
-        storage = "float8_e4m3fn"
-    else:
-        raise ValueError(f"storage_dtype {storage_dtype!r}: expected auto (= the compute dtype) or fp8")
-    context = text_config.get("max_position_embeddings")
-    limit = min(x for x in (max_length, context) if x is not None) if (max_length or context) else None
-
-    scan = scan_dataset(dataset_parquet, int(text_config["vocab_size"]), limit, length_policy)
-    plan = plan_partitions(plan_shards(scan.lengths, shard_tokens), n)[k]
-    cache_root.mkdir(parents=True, exist_ok=True)
-    inputs = {
-        "format": shards.FORMAT, "extractor_version": EXTRACTOR_VERSION,
-        "dataset_sha256": cached_sha256(dataset_parquet, cache_root),
-        "target_config_sha256": shards.sha256_file(target_path / "config.json"),
-        "target_weights_fingerprint": target_weights_fingerprint(target_path, cache_root),
-        "aux_layer_ids": aux_layer_ids, "dtype": dtype_name, "device_type": torch_device.type,
-        # Batch composition changes padding and so the last bits of the results. The
-        # partition count does not enter: partitions share one plan and one cache.
-        "batch_tokens": batch_tokens, "shard_tokens": shard_tokens, "max_length": limit,
-        **({"length_policy": length_policy} if length_policy != "truncate" else {}),
-        **({"storage_dtype": storage} if storage != dtype_name else {}),
-        **(fingerprint_extra or {}),
-    }
-    key = fingerprint(inputs)
-    shard_dir = cache_root / key
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
-    # Checksums of finished shards, several at once (a rerun re-reads every finished shard).
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        found = pool.map(lambda p: cached_entry(shard_dir / shards.shard_name(p.index), p), plan)
-        entries = {p.index: e for p, e in zip(plan, found) if e}
-    extraction = Extraction(
-        split_name=split_name, dataset=dataset_parquet, target_path=target_path,
-        manifest_out=Path(manifest_out), shard_dir=shard_dir, key=key, num_layers=num_layers,
-        hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, device=torch_device, dtype=torch_dtype,
-        storage_dtype=storage, batch_tokens=batch_tokens, max_length=limit,
-        length_policy=length_policy, scan=scan, plan=plan, partition=(k, n), entries=entries)
-    totals = scan.totals(*extraction.rows())
-    tokens, samples = sum(p.num_tokens for p in plan), sum(p.num_samples for p in plan)
-    log(f"{extraction.tag}: {samples:,} samples, {tokens:,} tokens "
-        f"in {len(plan)} shards ({len(entries)} cached), {extraction.bytes_per_token:,} bytes/token "
-        f"({storage}) -> {shard_dir}")
-    if totals["truncated_samples"] or totals["dropped_samples"]:
-        rows = slice(*extraction.rows())
-        ids = _row_ids(dataset_parquet, np.flatnonzero(scan.lengths[rows] == 0)[:5] + rows.start)
-        log(f"{extraction.tag}: over {limit} tokens (max_length / the target's context "
-            f"{context}): {totals['truncated_samples']} truncated, {totals['dropped_samples']} "
-            f"dropped{' (e.g. ' + ', '.join(ids) + ')' if ids else ''}")
-    return extraction
-
-
-def _row_ids(path: Path, rows) -> list[str]:
-    if not len(rows):
-        return []
-    table = pq.read_table(str(path), columns=["id"])
-    return [str(table.column("id")[int(r)]) for r in rows]
-
-
-def check_disk_room(extractions: list[Extraction]) -> None:
-    """Fail before any model loads when the cache's disk cannot hold the missing shards.
-
-    Projected from the dataset's token counts x bytes/token (docs/formats.md) against
-    ``shutil.disk_usage`` of each cache root (splits sharing a disk are summed).
-    """
-    need: dict[Path, list[Extraction]] = {}
-    for e in extractions:
-        need.setdefault(e.shard_dir.parent, []).append(e)
-    for root, group in need.items():
-        projected = sum(e.projected_bytes() for e in group)
-        free = shutil.disk_usage(root).free
-        if projected > free:
-            detail = "; ".join(f"{e.tag}: {sum(p.num_tokens for p in e.missing):,} tokens x "
-                               f"{e.bytes_per_token:,} bytes" for e in group)
-            raise OSError(
-                f"{root}: {free / 2**30:,.1f} GiB free, but the shards still to extract need about "
-                f"{projected / 2**30:,.1f} GiB ({detail}). Free space, move paths.cache, or set "
-                f"extract.storage_dtype: fp8 (half the bytes).")
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -827,7 +307,7 @@ class HFPipeline:
         entry["sha256"] = shards.sha256_file(path)
         # Recorded beside the shard so a resumed run can check the file's bytes, not just its
         # shape (a shard killed before this line gets its entry from the file on resume).
-        write_json(_entry_file(path), entry)
+        write_json(shards.entry_file(path), entry)
         self.x.entries[plan.index] = entry
         self._mark("hashed", plan.index)
 
@@ -840,54 +320,6 @@ class HFPipeline:
                 job.result()
             self.hasher.shutdown()
 
-
-def _record_throughput(path: Path, x: Extraction, plan: ShardPlan, compute_s: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({"split": x.split_name, "fingerprint": x.key, "shard": plan.index,
-                            "num_tokens": plan.num_tokens, "compute_s": compute_s,
-                            "finished_at": time.time()}) + "\n")
-
-
-def _iter_shard_rows(x: Extraction):
-    """``(plan, kept rows)`` per shard of the extraction, reading the dataset once, in order."""
-    if not x.plan:
-        return
-    start, stop = x.rows()
-    plans = iter(x.plan)
-    current = next(plans)
-    rows: list[dict] = []
-    for first, batch in _iter_dataset(x.dataset, ("id", "input_ids", "loss_mask"), start=start, stop=stop):
-        for offset, record in enumerate(batch.to_pylist()):
-            row = first + offset
-            if row < start or current is None:
-                continue
-            n = int(x.scan.lengths[row])
-            if n:
-                rows.append({"id": str(record["id"]), "input_ids": record["input_ids"][:n],
-                             "loss_mask": record["loss_mask"][:n]})
-            if row + 1 == current.stop:
-                yield current, rows
-                rows = []
-                current = next(plans, None)
-
-
-def shards_to_compute(x: Extraction, progress: Progress):
-    """``(plan, rows, path)`` of every planned shard of ``x`` that is not cached, in order.
-
-    The rows of a cached shard are still read (sequentially) to check its sample ids: a
-    cached shard holding other samples than planned is dropped from ``x.entries`` (and
-    from ``progress``) and yielded to be recomputed.
-    """
-    for plan, rows in _iter_shard_rows(x):
-        path = x.shard_dir / shards.shard_name(plan.index)
-        if plan.index in x.entries and _shard_sample_ids(path) != [r["id"] for r in rows]:
-            log(f"{x.tag}: {path.name} holds other samples than planned; recomputing")
-            progress.done -= x.entries.pop(plan.index)["num_tokens"]
-        if plan.index in x.entries:
-            continue
-        progress.extra = f"shard {plan.index + 1 - x.plan[0].index}/{len(x.plan)}"
-        yield plan, rows, path
 
 
 def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None = None) -> dict:
@@ -917,7 +349,7 @@ def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None 
                     pipeline.timeline = timeline
             t0 = time.monotonic()
             pipeline.compute(plan, rows, path)
-            _record_throughput(throughput_log, x, plan, time.monotonic() - t0)
+            record_throughput(throughput_log, x.split_name, x.key, plan, time.monotonic() - t0)
     finally:
         if pipeline is not None:
             pipeline.close()
@@ -929,10 +361,6 @@ def model_cache_key(target_path, dtype: torch.dtype, device: torch.device) -> tu
     """Key of a loaded target in ``loaded_models`` (a caller may put an already built model there)."""
     return str(Path(target_path).resolve()), str(dtype).removeprefix("torch."), str(device)
 
-
-def _shard_sample_ids(path: Path) -> list[str]:
-    with safe_open(str(path), "pt") as f:
-        return json.loads((f.metadata() or {}).get("sample_ids", "[]"))
 
 
 def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids=None,
@@ -1020,9 +448,7 @@ def main(argv=None) -> None:
         parser.error("give as many --manifest (and --split-name) as --dataset")
     if args.backend == "auto":
         args.backend = resolve_backend(args.device)
-    vllm_extract = None
-    if args.backend == "vllm":  # vLLM itself is imported only when the engine starts
-        from eagle3flow.extract import vllm as vllm_extract
+    use_vllm = args.backend == "vllm"
     # Every split is checked and planned, and the disk checked for all of them,
     # before the target loads (minutes for a large one).
     extractions = [
@@ -1032,11 +458,11 @@ def main(argv=None) -> None:
                 shard_tokens=args.shard_tokens, max_length=args.max_length,
                 length_policy=args.length_policy, storage_dtype=args.storage_dtype,
                 split_name=split_name, partition=(args.partition, args.partitions),
-                fingerprint_extra=vllm_extract.FINGERPRINT if vllm_extract else None)
+                fingerprint_extra=vllm_backend.FINGERPRINT if use_vllm else None)
         for dataset, manifest, split_name in zip(args.dataset, args.manifest, split_names)]
     check_disk_room(extractions)
-    if vllm_extract:
-        vllm_extract.run_all(extractions, args.tensor_parallel_size)
+    if use_vllm:
+        vllm_backend.run_all(extractions, args.tensor_parallel_size)
         return
     loaded_models: dict = {}
     for x in extractions:

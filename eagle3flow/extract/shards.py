@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3flow.atomic import replacing, write_json, write_text
+from eagle3flow.atomic import replacing, write_json
+from eagle3flow.extract.throughput import merge_throughput_logs, throughput_path
 
 FORMAT = "eagle3flow.extract.hf.v1"
 TENSOR_NAMES = ("input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state")
@@ -57,6 +58,11 @@ INDEX_BYTES_PER_TOKEN = 4 + 1  # input_ids int32 + loss_mask uint8
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def entry_file(shard_path: Path) -> Path:
+    """Beside a shard, its manifest entry (with its sha256), written once the shard is complete."""
+    return Path(shard_path).with_suffix(".json")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
@@ -379,15 +385,6 @@ def merge_manifests(parts: list[dict], where: list[str] | None = None) -> dict:
     return merged
 
 
-def merge_throughput_logs(sources: list[Path], out: Path) -> None:
-    """Concatenate partitions' throughput logs (docs/formats.md) into one, atomically."""
-    lines = []
-    for src in sources:
-        if Path(src).is_file():
-            lines.extend(line for line in Path(src).read_text().splitlines() if line.strip())
-    write_text(out, "".join(line + "\n" for line in lines))
-
-
 def main(argv=None) -> None:
     """python -m eagle3flow.extract.shards merge --part P0.json [--part P1.json ...] --manifest OUT.json
 
@@ -405,7 +402,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if len(args.part) != len(args.manifest):
         parser.error("give one --part group per --manifest")
-    from eagle3flow.extract.hf import throughput_path  # the partitions' log names
     for parts, out in zip(args.part, args.manifest):
         datas = []
         for p in parts:

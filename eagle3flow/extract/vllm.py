@@ -6,8 +6,8 @@ KV layer) and a KV connector of ours (eagle3flow/extract/vllm_connector.py), loa
 path (``kv_connector_module_path``), that reads those states from the KV cache when a
 request finishes and writes whole shards in the project's format (docs/formats.md)
 with the same writer as the HF backend. Checks, plan, fingerprint, disk check and
-manifest are the HF backend's (:func:`eagle3flow.extract.hf.prepare`, with
-:data:`FINGERPRINT` in the cache key); here only the engine and the shard loop.
+manifest are the backend-neutral ones (:func:`eagle3flow.extract.extraction.prepare`,
+with :data:`FINGERPRINT` in the cache key); here only the engine and the shard loop.
 
 Data path of one shard (shapes: T tokens of a sample, A aux ids, C = A+1, H hidden)::
 
@@ -30,7 +30,8 @@ for id N, so the target's own final RMSNorm weight is applied at this boundary.
 vLLM CPU build specifics handled here: the rotary custom op is turned off (with it on,
 MLA outputs are silently wrong); no pinned memory or CUDA streams on the CPU; the cache
 group is found by the cache-only layer's name, not by spec type, so MLA targets (whose
-KV cache forms a second group) work. This module imports vLLM only inside functions.
+KV cache forms a second group) work. This module imports vLLM only inside functions:
+the extraction CLI (eagle3flow/extract/hf.py) imports it whichever backend runs.
 """
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from eagle3flow.extract import shards
+from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extraction,
+                                           check_disk_room, log, prepare, read_target_config,
+                                           shards_to_compute)
+from eagle3flow.extract.throughput import record_throughput, throughput_path
+from eagle3flow.progress import Progress
+from eagle3flow.serving.vllm_runner import cpu_engine_options
 
 CONNECTOR_NAME = "ShardConnector"
 CONNECTOR_MODULE = "eagle3flow.extract.vllm_connector"
@@ -120,8 +129,6 @@ def gather_sample(cache: torch.Tensor, block_ids: list[int], num_tokens: int,
     copy on ``copy_stream`` into pinned memory (None on the CPU, where they are fresh
     tensors already: the blocks may be reused as soon as the request is reported).
     """
-    from eagle3flow.extract import shards
-
     block_size = cache.shape[2]
     blocks = torch.tensor(block_ids, dtype=torch.long)
     slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
@@ -153,10 +160,8 @@ class ShardWrite:
     """The pending write of one shard by the engine; ``result()`` is its manifest entry."""
 
     def __init__(self, path: Path, timeout_s: float, step: Callable[[], Any] | None = None):
-        from eagle3flow.extract.hf import _entry_file
-
         self.path, self.timeout_s, self.step = path, timeout_s, step
-        self.entry_file = _entry_file(path)
+        self.entry_file = shards.entry_file(path)
         self.error_file = path.with_name(path.name + ERROR_SUFFIX)
 
     def result(self) -> dict:
@@ -184,7 +189,7 @@ class VllmEngine:
     def stepper(self) -> Callable[[], Any] | None:
         """How to make an in-process engine core run a step (None: it runs in its own
         process and keeps stepping while finished requests still hold blocks)."""
-        from vllm.v1.engine.core_client import InprocClient
+        from vllm.v1.engine.core_client import InprocClient  # vLLM only once an engine runs
 
         engine = self.llm.llm_engine
         return engine.step if isinstance(engine.engine_core, InprocClient) else None
@@ -199,16 +204,12 @@ def resolve_tensor_parallel_size(requested: int | None, device: torch.device) ->
     return 1 if device.type == "cpu" else max(1, torch.cuda.device_count())
 
 
-def load_engine(x, max_model_len: int, tensor_parallel_size: int | None = None,
+def load_engine(x: Extraction, max_model_len: int, tensor_parallel_size: int | None = None,
                 gpu_memory_utilization: float = 0.85, max_num_seqs: int = 256) -> VllmEngine:
     """A vLLM engine over ``x.target_path`` that captures ``x.aux_layer_ids`` into shards.
 
-    ``x`` is a prepared :class:`eagle3flow.extract.hf.Extraction` (any split: they
-    share target, layer ids, dtypes and batch size).
+    ``x`` is any prepared split (they share target, layer ids, dtypes and batch size).
     """
-    from eagle3flow.extract.hf import read_target_config
-    from eagle3flow.serving.vllm_runner import cpu_engine_options
-
     tp = resolve_tensor_parallel_size(tensor_parallel_size, x.device)
     on_cpu = x.device.type == "cpu"
     text_config = read_target_config(x.target_path)
@@ -221,6 +222,7 @@ def load_engine(x, max_model_len: int, tensor_parallel_size: int | None = None,
     if tp == 1:
         # One process: no engine-core child to start, or to leave behind when killed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM reads the environment above when imported, so only now.
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -261,7 +263,7 @@ def submit_shard(engine: VllmEngine, path: Path, rows: list[dict]) -> ShardWrite
     Returns once the forward passes are done; the engine's connector writes the shard
     in the background (``ShardWrite.result()`` waits), so the next shard computes meanwhile.
     """
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM only once an engine runs
 
     pending = ShardWrite(path, engine.write_timeout_s, engine.stepper())
     for stale in (pending.entry_file, pending.error_file):
@@ -275,17 +277,13 @@ def submit_shard(engine: VllmEngine, path: Path, rows: list[dict]) -> ShardWrite
     return pending
 
 
-def run(x, load: Callable[[], VllmEngine]) -> dict:
+def run(x: Extraction, load: Callable[[], VllmEngine]) -> dict:
     """Compute the missing shards of a prepared extraction through vLLM; write its manifest.
 
     The same loop as the HF backend's :func:`eagle3flow.extract.hf.run` (cached shards
     verified by their sample ids, throughput log, manifest), with shard k+1's forward
     passes running while the engine writes shard k.
     """
-    from eagle3flow.extract.hf import (SHARD_DELAY_ENV, _record_throughput, shards_to_compute,
-                                          throughput_path)
-    from eagle3flow.progress import Progress
-
     engine = load() if x.missing else None   # before the clock starts
     progress = Progress(x.tag, sum(p.num_tokens for p in x.plan), "tokens",
                         done=sum(e["num_tokens"] for e in x.entries.values()))
@@ -301,7 +299,7 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
         engine = engine or load()
         t0 = time.monotonic()
         write = submit_shard(engine, path, rows)
-        _record_throughput(throughput_log, x, plan, time.monotonic() - t0)
+        record_throughput(throughput_log, x.split_name, x.key, plan, time.monotonic() - t0)
         progress.update(plan.num_tokens)
         if pending is not None:
             x.entries[pending[0]] = pending[1].result()
@@ -312,13 +310,11 @@ def run(x, load: Callable[[], VllmEngine]) -> dict:
     return x.write_manifest()
 
 
-def run_all(extractions: list, tensor_parallel_size: int | None = None) -> list[dict]:
+def run_all(extractions: list[Extraction], tensor_parallel_size: int | None = None) -> list[dict]:
     """Every prepared split through one engine, loaded only if some shard is missing.
 
     Checks what vLLM cannot do for this target before loading it.
     """
-    from eagle3flow.extract.hf import LOADING_LINE, log, read_target_config
-
     if not extractions:
         return []
     first = extractions[0]
@@ -341,8 +337,6 @@ def run_all(extractions: list, tensor_parallel_size: int | None = None) -> list[
 def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids=None,
             tensor_parallel_size: int | None = None, **options) -> dict:
     """:func:`eagle3flow.extract.hf.extract` through vLLM (same options and checks)."""
-    from eagle3flow.extract.hf import check_disk_room, prepare
-
     x = prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids,
                 fingerprint_extra=FINGERPRINT, **options)
     check_disk_room([x])

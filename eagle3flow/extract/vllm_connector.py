@@ -12,7 +12,7 @@ through the connector metadata; its blocks stay allocated until the worker repor
 Worker side (TP rank 0): the request's ``[T, C, H]`` states are gathered from the
 cache-only layer, put in the configured aux order, the last one normalized, copied to
 the host (async on CUDA), and once every sample of a shard is in, the shard is written
-by the HF backend's writer in a background thread.
+by the shared shard writer (eagle3flow/extract/shards.py) in a background thread.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
 from eagle3flow.extract.vllm import (ERROR_SUFFIX, PARAMS_KEY, capture_layer_ids,
                                      find_cache_group, gather_sample)
+from eagle3flow.target.weights import load_target_head
 
 
 @dataclass
@@ -148,7 +149,6 @@ class ShardConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _final_norm_weight(self) -> torch.Tensor:
         if self._norm_weight is None:
-            from eagle3flow.target.weights import load_target_head
             weight = load_target_head(self._target_path, parts=("norm",))["norm"]
             self._norm_weight = weight.to(device=self._kv_cache.device, dtype=self._kv_cache.dtype)
         return self._norm_weight
@@ -198,8 +198,6 @@ def write_shard_file(path: Path, samples: list[dict], compute_dtype: str) -> Non
     The same writer and entry file as the HF backend (``shards.write_packed_shard``);
     a failure leaves ``<shard>.error`` with the traceback, which the driver raises.
     """
-    from eagle3flow.extract.hf import _entry_file
-
     try:
         for sample in samples:
             if sample["event"] is not None:
@@ -215,7 +213,7 @@ def write_shard_file(path: Path, samples: list[dict], compute_dtype: str) -> Non
             torch.tensor([m for s in samples for m in s["loss_mask"]], dtype=torch.uint8), cu,
             packed["aux"], packed["last"], aux_scale=packed.get("aux_scale"),
             last_scale=packed.get("last_scale"), compute_dtype=compute_dtype)
-        write_json(_entry_file(path), entry)
+        write_json(shards.entry_file(path), entry)
     except BaseException:
         path.with_name(path.name + ERROR_SUFFIX).write_text(traceback.format_exc())
         raise

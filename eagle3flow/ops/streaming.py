@@ -319,7 +319,7 @@ def record_manifest(markers: list[Path], out: Path) -> dict:
             record[key] = sum(int(d["manifest"].get(key, 0)) for d in parts)
     record["streamed"] = {"partitions": len(parts), "shards_deleted": True,
                           "consumed": [str(p) for p in markers]}
-    from eagle3flow.extract.shards import merge_throughput_logs
+    from eagle3flow.extract.throughput import merge_throughput_logs
     logs = [Path(d["manifest_path"]).with_name(f"{Path(d['manifest_path']).stem}.throughput.jsonl")
             for d in parts]
     merge_throughput_logs(logs, out.parent / "throughput.jsonl")
