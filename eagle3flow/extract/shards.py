@@ -42,7 +42,8 @@ from safetensors import safe_open
 from eagle3flow.atomic import replacing, write_json
 from eagle3flow.extract.throughput import merge_throughput_logs, throughput_path
 
-FORMAT = "eagle3flow.extract.hf.v1"
+# The shard format's name predates the package layout; renaming it would invalidate every cache.
+FORMAT = "eagle3flow.hidden_states.v1"
 TENSOR_NAMES = ("input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state")
 SCALE_NAMES = ("aux_hidden_states_scale", "last_hidden_state_scale")
 FP8 = torch.float8_e4m3fn
