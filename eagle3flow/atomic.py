@@ -21,6 +21,17 @@ def temporary_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
+def _process_umask() -> int:
+    """The umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -41,6 +52,9 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     tmp = temporary_sibling(path)
     try:
         yield tmp
+        # The permissions a plain open() gives: some writers (safetensors) create 0600
+        # files, which a vLLM unit running as another user could not read.
+        os.chmod(tmp, 0o666 & ~_process_umask())
         _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
