@@ -10,6 +10,7 @@
 # status to the drain: the unit comes back after the last GPU stage of the run (or a
 # failed one); onsuccess/onerror and a detached watchdog restore it in every other case.
 import glob
+import sys
 
 
 def drained_stage_inputs(wildcards):

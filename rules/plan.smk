@@ -1,9 +1,14 @@
-# The plan (eagle3flow/ops/plan.py): the disk budget is checked when the workflow is
-# read (rules/common.smk, dry runs too), before any job runs and so before any model loads. onstart
-# prints the plan with what Snakemake's DAG will run, checks the budget again against
-# it and starts a sampler of results/ + cache/ sizes; onsuccess/onerror print
+# The plan (eagle3flow/ops/plan.py): the disk budget is checked when the workflow is read
+# (rules/common.smk, dry runs too), before any job runs and so before any model loads.
+# onstart prints the plan with what Snakemake's DAG will run, checks the budget again
+# against it and starts a sampler of results/ + cache/ sizes; onsuccess/onerror print
 # projected vs actual. `python -m eagle3flow.ops.plan --profile P` prints the plan dry.
 from collections import Counter
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from eagle3flow.ops import plan as plan_lib
 
 PLAN_DIR = f"{RESULTS}/plan"
 PLAN_STATE = {}
