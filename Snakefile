@@ -22,7 +22,6 @@ validate(config, "schemas/config.schema.yaml")
 
 include: "rules/common.smk"
 include: "rules/plan.smk"
-include: "rules/drain_helpers.smk"
 include: "rules/embedded.smk"
 include: "rules/regenerate.smk"
 include: "rules/dataset.smk"

@@ -9,10 +9,16 @@ scalar inside it arrives as a string (``--config "train={epochs: 5}"`` gives
 ``{"epochs": "5"}``) and the schema would refuse it. :func:`coerce_to_schema` turns such
 strings into what the schema says the key holds (integer, number, boolean, null, array,
 object) before validation; a string where the schema wants a string stays one.
+
+The rest resolves what the validated config leaves open (which target and dataset, the
+evaluation's prompt sets and parallelism) and refuses combinations the schema cannot
+express: the Snakefile calls these once, so the rules only wire paths to commands.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import os
 from pathlib import Path
 
 import yaml
@@ -61,7 +67,81 @@ def _schema() -> dict:
 
 def schema_defaults(section: str) -> dict:
     """``{key: default}`` of one top-level section of the schema (a fresh copy)."""
-    import copy
-
     properties = _schema()["properties"][section]["properties"]
     return {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}
+
+
+# The side-by-side draft regenerate.compare_original_answers adds to evaluate.compare_drafts.
+ORIGINAL_ANSWERS_DRAFT = "original answers"
+
+
+def builtin_target(config: dict) -> str | None:
+    """The target this workflow builds itself (``target.path`` null), or None for a served one."""
+    return config["target"]["builtin"] if config["target"]["path"] is None else None
+
+
+def uses_builtin_prompts(config: dict) -> bool:
+    """No dataset and no embedded target (whose own conversations are the dataset): the
+    workflow writes prompts that the target answers."""
+    return config["dataset"]["path"] is None and builtin_target(config) != "embedded"
+
+
+def target_path(config: dict, builtin_dirs: dict[str, str]) -> str:
+    """``target.path``, or the directory a built-in target is built in (``builtin_dirs[name]``)."""
+    name = builtin_target(config)
+    return config["target"]["path"] if name is None else builtin_dirs[name]
+
+
+def dataset_path(config: dict, builtin_prompts: str, embedded_conversations: str) -> str:
+    """``dataset.path``, else the built-in prompts or the embedded target's conversations."""
+    if config["dataset"]["path"] is not None:
+        return config["dataset"]["path"]
+    return builtin_prompts if uses_builtin_prompts(config) else embedded_conversations
+
+
+def regenerate_url(config: dict, environ=os.environ) -> str | None:
+    """The target's server that answers the prompts: regenerate.base_url or
+    $EAGLE3FLOW_REGENERATE_URL; None means the job serves a built-in target itself."""
+    return config["regenerate"]["base_url"] or environ.get("EAGLE3FLOW_REGENERATE_URL")
+
+
+def check_workflow_config(config: dict, environ=os.environ) -> None:
+    """Refuse, before any job, the combinations no run can finish (ValueError)."""
+    regenerate = config["regenerate"]
+    if uses_builtin_prompts(config) and not regenerate["enabled"]:
+        raise ValueError(
+            "dataset.path is null, so the workflow uses its built-in prompts, which have no "
+            "answers: set regenerate.enabled: true (the target answers them) or dataset.path")
+    if regenerate["enabled"] and not regenerate_url(config, environ) and not builtin_target(config):
+        raise ValueError(
+            "regenerate.enabled needs the target's server: set regenerate.base_url (or "
+            "$EAGLE3FLOW_REGENERATE_URL), and regenerate.model if it serves several models "
+            "(the workflow serves the target itself only for a built-in target)")
+    if regenerate["compare_original_answers"]:
+        if not regenerate["enabled"]:
+            raise ValueError("regenerate.compare_original_answers needs regenerate.enabled: true")
+        if config["drain"]["enabled"]:
+            raise ValueError("regenerate.compare_original_answers trains a second draft in a nested "
+                             "run that is not drained for: turn it off where drain.enabled is true")
+
+
+def add_original_answers_draft(config: dict, draft_dir: str) -> None:
+    """In place: with regenerate.compare_original_answers, the evaluation serves the draft
+    trained on the dataset's original answers (``draft_dir``) next to the new one."""
+    if config["regenerate"]["compare_original_answers"]:
+        config["evaluate"]["compare_drafts"].setdefault(ORIGINAL_ANSWERS_DRAFT, draft_dir)
+
+
+def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
+    """The evaluate section as the evaluation takes it: the optional prompt sets that
+    exist joined to prompt_sets, tensor parallelism over all ``gpus`` of the node (1 on
+    the CPU build), and the replay's largest K the TTT steps unless set (the
+    acceptance-length-vs-K curve then comes from the one baseline run)."""
+    settings = copy.deepcopy(config["evaluate"])
+    optional = settings.pop("optional_prompt_sets")
+    settings["prompt_sets"] = {**{name: path for name, path in optional.items() if exists(path)},
+                               **settings["prompt_sets"]}
+    if settings["tensor_parallel_size"] is None:
+        settings["tensor_parallel_size"] = gpus if gpus > 0 and settings["device"] != "cpu" else 1
+    settings["replay_max_k"] = settings["replay_max_k"] or config["train"]["ttt_steps"]
+    return settings

@@ -1,8 +1,19 @@
+# What every .smk reads: paths, the resolved config (eagle3flow/config.py), each GPU
+# stage's inputs and wrapper, and the helpers the rules share. Only this file defines
+# globals that another .smk reads, so the include order cannot change a rule.
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
+
+from eagle3flow import config as config_lib
+from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
+from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
+from eagle3flow.ops.service import DRAINED_STAGES, run_id_of
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
@@ -13,8 +24,6 @@ RUNS_JOBS = workflow.is_main_process and runs_jobs()
 RUN_ENV = "EAGLE3FLOW_RUN"
 RUN_ID = None
 if RUNS_JOBS:
-    from eagle3flow.ops.service import run_id_of
-
     RUN_ID = run_id_of(os.getpid())
     # A rerun after a kill on this host continues instead of asking for --unlock, when
     # the lock provably belongs to that dead run (see stale_lock.py).
@@ -38,26 +47,30 @@ EMBEDDED_DIR = f"{RESULTS}/embedded"
 PRETRAINED_TARGET = f"{RESULTS}/pretrained/target"
 BUILTIN_PROMPTS = f"{RESULTS}/prompts/builtin_prompts.jsonl"
 # The target this workflow builds itself (target.path null), or None for a served one.
-BUILTIN_TARGET = config["target"]["builtin"] if config["target"]["path"] is None else None
+BUILTIN_TARGET = config_lib.builtin_target(config)
 USES_EMBEDDED_TARGET = BUILTIN_TARGET == "embedded"
-TARGET = {None: config["target"]["path"], "embedded": f"{EMBEDDED_DIR}/target",
-          "smollm2-135m": PRETRAINED_TARGET}[BUILTIN_TARGET]
+TARGET = config_lib.target_path(config, {"embedded": f"{EMBEDDED_DIR}/target",
+                                         "smollm2-135m": PRETRAINED_TARGET})
 # No dataset: the embedded target's own conversations, else prompts the target answers.
-USES_BUILTIN_PROMPTS = config["dataset"]["path"] is None and not USES_EMBEDDED_TARGET
-DATASET = config["dataset"]["path"] or (
-    BUILTIN_PROMPTS if USES_BUILTIN_PROMPTS else f"{EMBEDDED_DIR}/conversations.jsonl"
-)
-if USES_BUILTIN_PROMPTS and not config["regenerate"]["enabled"]:
-    raise ValueError(
-        "dataset.path is null, so the workflow uses its built-in prompts, which have no "
-        "answers: set regenerate.enabled: true (the target answers them) or dataset.path")
+USES_BUILTIN_PROMPTS = config_lib.uses_builtin_prompts(config)
+DATASET = config_lib.dataset_path(config, BUILTIN_PROMPTS, f"{EMBEDDED_DIR}/conversations.jsonl")
+config_lib.check_workflow_config(config)
+REGENERATE_DIR = f"{RESULTS}/regenerate"
+# The target's own answers (rules/regenerate.smk), which prepare_dataset takes when enabled.
+REGENERATED = f"{REGENERATE_DIR}/responses.jsonl" if config["regenerate"]["enabled"] else None
+REGENERATE_URL = config_lib.regenerate_url(config)
+ORIGINAL_ANSWERS_DIR = f"{RESULTS}/original_answers"
+config_lib.add_original_answers_draft(config, f"{ORIGINAL_ANSWERS_DIR}/draft")
 DRAFT_FILES = [f"{RESULTS}/draft/config.json", f"{RESULTS}/draft/model.safetensors"]
 # export.formats: the first is results/draft/, the others results/draft-<format>/.
 DRAFT_DIRS = {fmt: f"{RESULTS}/draft" + ("" if i == 0 else f"-{fmt}")
               for i, fmt in enumerate(config["export"]["formats"])}
 EXTRA_DRAFT_FILES = [f"{path}/{name}" for fmt, path in list(DRAFT_DIRS.items())[1:]
                      for name in ("config.json", "model.safetensors")]
+MODEL_CARD = f"{RESULTS}/draft/README.md"
 GPUS = config["resources"]["gpus"]
+DRAIN = config["drain"]
+SERVICE_DIR = f"{RESULTS}/service"
 
 
 def normalize_aux_layer_ids():
@@ -65,22 +78,27 @@ def normalize_aux_layer_ids():
     notice when that changed them), and refused here when out of the target's range,
     before any job (so before any model loads). Every stage downstream reads them from
     this config (the extraction, the plan) or from the manifests extraction writes."""
-    import sys
-
-    from eagle3flow.ops import plan as plan_lib
-    from eagle3flow.layers import normalize_aux_layer_ids as normalize
-
     try:
         num_layers = int(plan_lib.target_config(config, Path(os.getcwd()))[0]["num_hidden_layers"])
     except (OSError, KeyError, ValueError):
         num_layers = None   # a target not on this machine yet: the extraction checks the range
-    ids, notice = normalize(config["extract"]["aux_layer_ids"], num_layers)
+    ids, notice = normalize_layer_ids(config["extract"]["aux_layer_ids"], num_layers)
     if notice and workflow.is_main_process:
         print(f"eagle3flow: {notice}", file=sys.stderr)
     config["extract"]["aux_layer_ids"] = ids
 
 
 normalize_aux_layer_ids()
+# The evaluate section as the evaluation takes it (eagle3flow/config.py evaluate_settings).
+EVALUATE = config_lib.evaluate_settings(config, GPUS)
+
+# The plan (rules/plan.smk): the disk budget is checked when the workflow is read (dry
+# runs too), without the DAG yet, judged as a whole run from the files that exist;
+# projected once (the streaming chain comes from the same plan: rules/streaming_helpers.smk).
+PLAN_WHEN_READ, PLAN_REFUSAL = plan_lib.plan_when_read(config, os.getcwd(),
+                                                       quiet=not workflow.is_main_process)
+if workflow.is_main_process and PLAN_REFUSAL:
+    raise WorkflowError(PLAN_REFUSAL)
 
 
 def gpu_resources(nodes=None):
@@ -93,11 +111,11 @@ def gpu_resources(nodes=None):
     out = {"gpus": GPUS}
     if nodes is not None:
         out["nodes"] = nodes
-    if site.get("gpu_partition") and GPUS > 0:
+    if site["gpu_partition"] and GPUS > 0:
         out.update(slurm_partition=site["gpu_partition"], gpu=GPUS)
-        if site.get("gpu_model"):
+        if site["gpu_model"]:
             out["gpu_model"] = site["gpu_model"]
-        if site.get("gpu_exclusive", True):
+        if site["gpu_exclusive"]:
             out["slurm_extra"] = "'--exclusive'"
     return out
 
@@ -117,8 +135,6 @@ def dataset_input():
 
 def json_arg_of(value):
     """A config value as one shell-quoted JSON argument."""
-    import shlex
-
     return shlex.quote(json.dumps(value, sort_keys=True))
 
 
@@ -126,16 +142,57 @@ def json_arg(section):
     return json_arg_of(config[section])
 
 
-def evaluate_config():
-    """The evaluate section with tensor parallelism resolved: all GPUs of the node on
-    GPUs, 1 on the CPU build."""
-    cfg = dict(config["evaluate"])
-    optional = cfg.pop("optional_prompt_sets")
-    cfg["prompt_sets"] = {**{name: path for name, path in optional.items() if os.path.exists(path)},
-                          **cfg["prompt_sets"]}
-    if cfg["tensor_parallel_size"] is None:
-        cfg["tensor_parallel_size"] = GPUS if GPUS > 0 and cfg["device"] != "cpu" else 1
-    return cfg
+# What each GPU job waits for: its rule's inputs, and its drain job's (rules/drain_helpers.smk).
+EXTRACT_INPUTS = dict(
+    train=f"{RESULTS}/dataset/train.parquet",
+    eval=f"{RESULTS}/dataset/eval.parquet",
+    target=target_input(),
+)
+TRAIN_INPUTS = dict(
+    train=f"{RESULTS}/hidden_states/train/manifest.json",
+    eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+    vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+    target=target_input(),
+)
+EVALUATE_INPUTS = dict(
+    draft=DRAFT_FILES,
+    eval_prompts=f"{RESULTS}/dataset/eval_prompts.jsonl",
+    eval_manifest=f"{RESULTS}/hidden_states/eval/manifest.json",
+    target=target_input(),
+    # Other prompt sets and drafts to compare: rerun when they change.
+    prompt_sets=list(EVALUATE["prompt_sets"].values()),
+    compare_drafts=[f"{d}/model.safetensors" for d in EVALUATE["compare_drafts"].values()],
+)
+
+
+def drain_flag(stage, key="all"):
+    """The input that makes a GPU job wait for the drain; nothing when draining is off.
+    One flag per job (``key``: the partition, the streaming link), each made by its own
+    drain job after that job's other inputs exist: a drain that has to run for one job
+    never makes another job of the stage out of date (a consumed streaming partition
+    would be extracted again), and each drain waits for the inputs of its own job."""
+    return f"{SERVICE_DIR}/drained_for_{stage}.{key}.flag" if DRAIN["enabled"] else []
+
+
+def drain_flag_of(stage, wildcard):
+    """drain_flag for a rule whose jobs are told apart by ``wildcard`` (an input function)."""
+    return lambda wildcards: drain_flag(stage, getattr(wildcards, wildcard))
+
+
+def gpu_stage(stage):
+    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/ops/gpu_stage.py):
+    ``{gpu_stage} --log {log} -- <the stage's command>``."""
+    command = f"python -m eagle3flow.ops.gpu_stage --stage {stage} --gpus {GPUS}"
+    if DRAIN["enabled"]:
+        command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
+    return command
+
+
+def train_launch():
+    """eagle3flow.train.launch's options, for train_draft and the streaming links: one
+    process per GPU the job holds unless train.nproc forces N, across train.nodes nodes."""
+    train = config["train"]
+    return f"--nproc {train['nproc'] or 'auto'} --nodes {train['nodes']} --device {train['device']}"
 
 
 def print_summary(summary_path, draft_dir):

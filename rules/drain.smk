@@ -1,4 +1,7 @@
 # One drain job per GPU job that has to run (rules/drain_helpers.smk says how).
+include: "drain_helpers.smk"
+
+
 rule drain_service:
     input:
         unpack(drained_stage_inputs),

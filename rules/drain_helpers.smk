@@ -1,4 +1,5 @@
-# Helpers of rules/drain.smk, included before the GPU stages that use them.
+# Helpers of rules/drain.smk and the workflow's onstart/onsuccess/onerror (the flags and
+# the stage wrapper the GPU rules take are in rules/common.smk).
 # Frees the GPUs for the GPU stages on a box whose vLLM systemd unit holds them all,
 # and brings the unit back (eagle3flow/ops/service.py; what it does: docs/service.md).
 #
@@ -9,36 +10,7 @@
 # status to the drain: the unit comes back after the last GPU stage of the run (or a
 # failed one); onsuccess/onerror and a detached watchdog restore it in every other case.
 import glob
-import shlex
 import sys
-
-from eagle3flow.ops.service import DRAINED_STAGES
-
-DRAIN = config["drain"]
-SERVICE_DIR = f"{RESULTS}/service"
-
-
-def drain_flag(stage, key="all"):
-    """The input that makes a GPU job wait for the drain; nothing when draining is off.
-    One flag per job (``key``: the partition, the streaming link), each made by its own
-    drain job after that job's other inputs exist: a drain that has to run for one job
-    never makes another job of the stage out of date (a consumed streaming partition
-    would be extracted again), and each drain waits for the inputs of its own job."""
-    return f"{SERVICE_DIR}/drained_for_{stage}.{key}.flag" if DRAIN["enabled"] else []
-
-
-def drain_flag_of(stage, wildcard):
-    """drain_flag for a rule whose jobs are told apart by ``wildcard`` (an input function)."""
-    return lambda wildcards: drain_flag(stage, getattr(wildcards, wildcard))
-
-
-def gpu_stage(stage):
-    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/ops/gpu_stage.py):
-    ``{gpu_stage} --log {log} -- <the stage's command>``."""
-    command = f"python -m eagle3flow.ops.gpu_stage --stage {stage} --gpus {GPUS}"
-    if DRAIN["enabled"]:
-        command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
-    return command
 
 
 def drained_stage_inputs(wildcards):

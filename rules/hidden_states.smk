@@ -3,11 +3,6 @@
 # drained for and loaded once. With extract.partitions: N, N such jobs (one per
 # node on a cluster, sharing the cache) each extract a run of shards and write
 # part-K-of-N.json, a manifest of its own; a local merge job writes manifest.json.
-EXTRACT_INPUTS = dict(
-    train=f"{RESULTS}/dataset/train.parquet",
-    eval=f"{RESULTS}/dataset/eval.parquet",
-    target=target_input(),
-)
 EXTRACT_PARTS = config["extract"]["partitions"]
 EXTRACT_PART_MANIFEST = f"{RESULTS}/hidden_states/{{split}}/part-{{part}}-of-{EXTRACT_PARTS}.json"
 

@@ -1,7 +1,7 @@
-# The plan (eagle3flow/ops/plan.py): the disk budget is checked here, when the workflow is
-# read (dry runs too), before any job runs and so before any model loads. onstart
-# prints the plan with what Snakemake's DAG will run, checks the budget again against
-# it and starts a sampler of results/ + cache/ sizes; onsuccess/onerror print
+# The plan (eagle3flow/ops/plan.py): the disk budget is checked when the workflow is read
+# (rules/common.smk, dry runs too), before any job runs and so before any model loads.
+# onstart prints the plan with what Snakemake's DAG will run, checks the budget again
+# against it and starts a sampler of results/ + cache/ sizes; onsuccess/onerror print
 # projected vs actual. `python -m eagle3flow.ops.plan --profile P` prints the plan dry.
 from collections import Counter
 from pathlib import Path
@@ -12,12 +12,6 @@ from eagle3flow.ops import plan as plan_lib
 
 PLAN_DIR = f"{RESULTS}/plan"
 PLAN_STATE = {}
-
-# Without the DAG yet: judged as a whole run, from the files that exist; projected once
-# (the streaming chain comes from the same plan: rules/streaming_helpers.smk).
-PLAN_WHEN_READ, _refusal = plan_lib.plan_when_read(config, os.getcwd(), quiet=not workflow.is_main_process)
-if workflow.is_main_process and _refusal:
-    raise WorkflowError(_refusal)
 
 
 def start_plan():

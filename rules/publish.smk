@@ -1,8 +1,6 @@
 # The model card (eagle3flow/export/model_card.py) beside the exported draft, and, when asked for
 # by name (`snakemake --profile P publish_draft`), its upload to the Hugging Face Hub
 # (eagle3flow/export/publish.py; the token only from the environment).
-MODEL_CARD = f"{RESULTS}/draft/README.md"
-
 
 rule write_model_card:
     input:

@@ -12,26 +12,9 @@
 # it side by side with the draft trained on the target's answers.
 from eagle3flow.data.compare_answers import original_answers_config
 
+# Checked, and the original answers' draft added to evaluate.compare_drafts, in
+# eagle3flow/config.py (called from rules/common.smk).
 REGENERATE = config["regenerate"]
-REGENERATE_DIR = f"{RESULTS}/regenerate"
-REGENERATED = f"{REGENERATE_DIR}/responses.jsonl" if REGENERATE["enabled"] else None
-REGENERATE_URL = REGENERATE["base_url"] or os.environ.get("EAGLE3FLOW_REGENERATE_URL")
-ORIGINAL_ANSWERS_DIR = f"{RESULTS}/original_answers"
-ORIGINAL_ANSWERS_DRAFT = "original answers"
-
-if REGENERATE["enabled"] and not REGENERATE_URL and not BUILTIN_TARGET:
-    raise ValueError(
-        "regenerate.enabled needs the target's server: set regenerate.base_url (or "
-        "$EAGLE3FLOW_REGENERATE_URL), and regenerate.model if it serves several models "
-        "(the workflow serves the target itself only for a built-in target)")
-if REGENERATE["compare_original_answers"]:
-    if not REGENERATE["enabled"]:
-        raise ValueError("regenerate.compare_original_answers needs regenerate.enabled: true")
-    if DRAIN["enabled"]:
-        raise ValueError("regenerate.compare_original_answers trains a second draft in a nested "
-                         "run that is not drained for: turn it off where drain.enabled is true")
-    # The evaluation serves it next to the new draft (rules/evaluate.smk reads this).
-    config["evaluate"]["compare_drafts"].setdefault(ORIGINAL_ANSWERS_DRAFT, f"{ORIGINAL_ANSWERS_DIR}/draft")
 
 
 rule regenerate_responses:

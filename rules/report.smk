@@ -1,6 +1,6 @@
 # Figures and tables of the whole run, marked for `snakemake --report report.html`
 # (captions in report/). Service downtime is shown when the drain stage left a record.
-DOWNTIME = f"{RESULTS}/service/downtime.json"
+DOWNTIME = f"{SERVICE_DIR}/downtime.json"
 REPORT_DIR = f"{RESULTS}/report"
 
 
@@ -15,9 +15,6 @@ rule build_report:
             f"{RESULTS}/hidden_states/train/manifest.json",
             f"{RESULTS}/hidden_states/eval/manifest.json",
         ],
-        # The drain stage's record when a service was drained; without it the report
-        # says "no service drained".
-        downtime=lambda wildcards: [DOWNTIME] if os.path.exists(DOWNTIME) else [],
     output:
         training=report(
             f"{REPORT_DIR}/training.png",
@@ -61,9 +58,9 @@ rule build_report:
         ),
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.training),
-        downtime=lambda wildcards, input: (
-            f"--downtime {input.downtime[0]}" if input.downtime else ""
-        ),
+        # The drain's record, read when the job runs (the restore after the last GPU
+        # stage writes it); without one the report says "no service drained".
+        downtime=DOWNTIME,
         manifests=lambda wildcards, input: " ".join(
             f"--manifest {m}" for m in input.manifests
         ),
@@ -78,5 +75,5 @@ rule build_report:
         "python -m eagle3flow.report.render --out-dir {params.out_dir}"
         " --eval-summary {input.eval_summary} --train-metrics {input.metrics}"
         " --train-eval {input.train_eval} --vocab-stats {input.vocab_stats}"
-        " --dataset-stats {input.dataset_stats} {params.manifests} {params.downtime}"
+        " --dataset-stats {input.dataset_stats} {params.manifests} --downtime {params.downtime}"
         " --config-json {params.cfg} 2>&1 | tee {log}"

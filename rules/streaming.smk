@@ -77,7 +77,7 @@ if STREAM is not None:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=STREAM_LAUNCH,
+            launch=train_launch(),
             gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
             # Links consumed by earlier runs are no jobs of this one (STREAM_CONSUMED).
@@ -109,7 +109,7 @@ if STREAM is not None:
             link_args=link_args(STREAM_LAST),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=STREAM_LAUNCH,
+            launch=train_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
         resources:
             **gpu_resources(nodes=config["train"]["nodes"]),

@@ -15,10 +15,6 @@ STREAM_LAST = STREAM.links - 1 if STREAM is not None else None
 STREAM_CONSUMED = (
     streaming_lib.consumed_links(STREAM, STREAM_DIR) if STREAM is not None else set()
 )
-STREAM_LAUNCH = (
-    f"--nproc {config['train']['nproc'] or 'auto'} --nodes {config['train']['nodes']}"
-    f" --device {config['train']['device']}"
-)
 STREAM_TRAIN_SHELL = (
     "{params.gpu_stage} --log {log} --"
     " python -m eagle3flow.ops.streaming train-link {params.link_args}"

@@ -1,13 +1,6 @@
 # Checkpoints live in the cache (undeclared): a killed run resumes from the last.
 # eagle3flow.train.launch starts one process per GPU the job holds (torchrun; train.nproc
 # forces N, e.g. 2 gloo processes on CPU), across train.nodes SLURM nodes (srun).
-TRAIN_INPUTS = dict(
-    train=f"{RESULTS}/hidden_states/train/manifest.json",
-    eval=f"{RESULTS}/hidden_states/eval/manifest.json",
-    vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
-    target=target_input(),
-)
-
 
 rule train_draft:
     input:
@@ -23,10 +16,7 @@ rule train_draft:
         cache=f"{CACHE}/train",
         cfg=json_arg("train"),
         gpu_stage=gpu_stage("train_draft"),
-        launch=(
-            f"--nproc {config['train']['nproc'] or 'auto'} --nodes {config['train']['nodes']}"
-            f" --device {config['train']['device']}"
-        ),
+        launch=train_launch(),
     resources:
         **gpu_resources(nodes=config["train"]["nodes"]),
     log:

@@ -43,3 +43,94 @@ def test_command_line_strings_are_typed_as_the_schema_says():
     assert typed["dataset"] == {"path": "123", "max_samples": 10} and typed["hub"] == {"dry_run": True}
     assert coerce_to_schema({"train": {"epochs": "five"}}, spec)["train"]["epochs"] == "five", \
         "what does not parse is left for the schema to refuse"
+
+
+def workflow_config(**sections) -> dict:
+    """The validated config's shape: every section at the schema's defaults, then ``sections``."""
+    config = {name: schema_defaults(name) for name in ("target", "dataset", "regenerate", "drain",
+                                                       "evaluate", "train")}
+    for name, values in sections.items():
+        config[name].update(values)
+    return config
+
+
+def test_target_and_dataset_resolve_to_a_built_in_or_the_configured_one():
+    builtin_dirs = {"embedded": "r/embedded/target", "smollm2-135m": "r/pretrained/target"}
+    embedded = workflow_config(target={"path": None, "builtin": "embedded"})
+    assert config_lib.builtin_target(embedded) == "embedded"
+    assert config_lib.target_path(embedded, builtin_dirs) == "r/embedded/target"
+    assert not config_lib.uses_builtin_prompts(embedded), "the embedded target brings its conversations"
+    assert config_lib.dataset_path(embedded, "r/prompts.jsonl", "r/conversations.jsonl") == "r/conversations.jsonl"
+
+    pretrained = workflow_config(target={"path": None, "builtin": "smollm2-135m"})
+    assert config_lib.target_path(pretrained, builtin_dirs) == "r/pretrained/target"
+    assert config_lib.uses_builtin_prompts(pretrained)
+    assert config_lib.dataset_path(pretrained, "r/prompts.jsonl", "r/conversations.jsonl") == "r/prompts.jsonl"
+
+    served = workflow_config(target={"path": "/models/t", "builtin": "embedded"}, dataset={"path": "d.jsonl"})
+    assert config_lib.builtin_target(served) is None
+    assert config_lib.target_path(served, builtin_dirs) == "/models/t"
+    assert config_lib.dataset_path(served, "r/prompts.jsonl", "r/conversations.jsonl") == "d.jsonl"
+
+
+def test_combinations_no_run_can_finish_are_refused():
+    def refusal(environ=None, **sections):
+        try:
+            config_lib.check_workflow_config(workflow_config(**sections), environ or {})
+        except ValueError as error:
+            return str(error)
+        return None
+
+    pretrained = {"path": None, "builtin": "smollm2-135m"}
+    assert "built-in prompts" in refusal(target=pretrained, dataset={"path": None})
+    assert refusal(target=pretrained, dataset={"path": None}, regenerate={"enabled": True}) is None
+    served = {"path": "/models/t"}
+    assert "needs the target's server" in refusal(target=served, regenerate={"enabled": True})
+    assert refusal(target=served, regenerate={"enabled": True, "base_url": "http://h:8000/v1"}) is None
+    assert refusal({"EAGLE3FLOW_REGENERATE_URL": "http://h:8000/v1"}, target=served,
+                   regenerate={"enabled": True}) is None
+    assert "needs regenerate.enabled" in refusal(regenerate={"compare_original_answers": True})
+    assert "not drained for" in refusal(regenerate={"enabled": True, "compare_original_answers": True},
+                                        drain={"enabled": True})
+
+
+def test_regenerate_url_comes_from_the_config_before_the_environment():
+    environ = {"EAGLE3FLOW_REGENERATE_URL": "http://env/v1"}
+    assert config_lib.regenerate_url(workflow_config(), environ) == "http://env/v1"
+    assert config_lib.regenerate_url(workflow_config(regenerate={"base_url": "http://cfg/v1"}), environ) \
+        == "http://cfg/v1"
+    assert config_lib.regenerate_url(workflow_config(), {}) is None
+
+
+def test_original_answers_draft_is_compared_only_when_asked_for():
+    config = workflow_config()
+    config_lib.add_original_answers_draft(config, "r/original_answers/draft")
+    assert config["evaluate"]["compare_drafts"] == {}
+    config = workflow_config(regenerate={"enabled": True, "compare_original_answers": True},
+                             evaluate={"compare_drafts": {"old": "drafts/old"}})
+    config_lib.add_original_answers_draft(config, "r/original_answers/draft")
+    assert config["evaluate"]["compare_drafts"] == {"old": "drafts/old",
+                                                    config_lib.ORIGINAL_ANSWERS_DRAFT: "r/original_answers/draft"}
+    # a draft of that name the user configured is kept
+    config["evaluate"]["compare_drafts"][config_lib.ORIGINAL_ANSWERS_DRAFT] = "mine"
+    config_lib.add_original_answers_draft(config, "r/original_answers/draft")
+    assert config["evaluate"]["compare_drafts"][config_lib.ORIGINAL_ANSWERS_DRAFT] == "mine"
+
+
+def test_evaluate_settings_resolve_prompt_sets_parallelism_and_replay_k():
+    config = workflow_config(
+        evaluate={"optional_prompt_sets": {"mt_bench": "here.jsonl", "gone": "missing.jsonl"},
+                  "prompt_sets": {"mine": "mine.jsonl", "mt_bench": "override.jsonl"}},
+        train={"ttt_steps": 5})
+    settings = config_lib.evaluate_settings(config, gpus=8, exists=lambda path: path != "missing.jsonl")
+    assert "optional_prompt_sets" not in settings
+    assert settings["prompt_sets"] == {"mine": "mine.jsonl", "mt_bench": "override.jsonl"}, \
+        "an optional set that exists joins, a configured one wins"
+    assert settings["tensor_parallel_size"] == 8 and settings["replay_max_k"] == 5
+    assert "optional_prompt_sets" in config["evaluate"], "the config itself is left as it was"
+    assert config_lib.evaluate_settings(config, gpus=0, exists=bool)["tensor_parallel_size"] == 1
+    cpu = workflow_config(evaluate={"device": "cpu"})
+    assert config_lib.evaluate_settings(cpu, gpus=8)["tensor_parallel_size"] == 1
+    pinned = workflow_config(evaluate={"tensor_parallel_size": 2, "replay_max_k": 3})
+    settings = config_lib.evaluate_settings(pinned, gpus=8)
+    assert (settings["tensor_parallel_size"], settings["replay_max_k"]) == (2, 3)
