@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import CONFIG, losses, make_hidden_states, make_vocab_map
-
 from eagle3flow.train.launch import command, processes_per_node
 from eagle3flow.train.trainer import train
 from eagle3flow.train.data import rank_share
+from support.builders import TRAIN_CONFIG, losses, make_hidden_states, make_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
-DIST_CONFIG = {**CONFIG, "epochs": 3, "checkpoint_every": 2, "nproc": 2}
+DIST_CONFIG = {**TRAIN_CONFIG, "epochs": 3, "checkpoint_every": 2, "nproc": 2}
 
 
 @pytest.fixture(scope="module")
