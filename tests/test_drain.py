@@ -40,6 +40,8 @@ def box(tmp_path):
 def test_drain_then_restore_records_downtime(box):
     box.start_unit()
     before = box.unit_pids()
+    gpu_holders = {int(p.name) for p in box.gpus.glob("*/*")}
+    assert gpu_holders and gpu_holders < set(before), (gpu_holders, before)  # the worker, not the server
     flag = box.root / "flag"
     result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "4", "--flag", str(flag))
     assert result.returncode == 0, result.stderr
@@ -110,6 +112,7 @@ def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
     try:
         box.start_unit()
         server = box.unit_pids()
+        assert len(server) >= 2, server      # the server and its GPU-holding worker
         result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", stop_timeout_s=2)
         assert result.returncode == 1
         assert f"{UNIT} did not stop within drain.stop_timeout_s=2" in result.stderr, result.stderr
@@ -211,16 +214,16 @@ def test_watchdog_waits_for_the_jobs_of_the_dead_run_then_restores(box):
     run_env = box.live_run(["train_draft"])
     run = box.others[-1]
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    held_from = time.time()
     job = box.hold_gpu(list(range(NUM_GPUS)), seconds=6, env=run_env)
     run.kill()
     run.wait()
     wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
-    job_end = time.time()
     assert job.poll() is not None, "restored while the dead run's job still held the GPUs"
     assert all(not start["gpu_holders"] for start in box.starts()), box.starts()
+    assert box.starts()[-1]["at"] >= held_from + 6, "the unit was started before the job's 6 s were up"
     assert box.healthy() and box.session() is None
     assert box.downtime()[-1]["reason"].startswith("watchdog:")
-    assert job_end > 0
 
 
 def test_drain_for_another_stage_of_the_same_run_leaves_its_gpu_jobs_alone(box):
