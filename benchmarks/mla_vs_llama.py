@@ -26,6 +26,9 @@ import torch
 
 from eagle3flow.model.draft import DraftConfig, Eagle3Draft
 
+# The tiny DeepSeek-V3 builder is test support (tests/support/tiny_targets.py), not the package's.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 KIMI_K25 = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
             "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
             "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=6)
     args = parser.parse_args(argv)
     from eagle3flow.extract.hf import extract
-    from eagle3flow.tiny_targets import make_tiny_deepseek_v3
+    from support.tiny_targets import make_tiny_deepseek_v3
     from eagle3flow.train.trainer import train
     from eagle3flow.data.vocab import build_vocab_map
 
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     for arch in ("mla", "llama"):
         cfg = DraftConfig.from_target_config(KIMI_K25, [2, 30, 58], 32000, {"architecture": arch})
         kimi[arch] = {"trainable_params": trainable_params(cfg), "kv_cache_bytes_per_token_bf16": kv_bytes_per_token(cfg)}
-    out = {"target": "tiny DeepSeek-V3 (eagle3flow.tiny_targets: H 64, 8 layers, MLA kv_lora 512, MoE 4 experts, random)",
+    out = {"target": "tiny DeepSeek-V3 (tests/support/tiny_targets.py: H 64, 8 layers, MLA kv_lora 512, MoE 4 experts, random)",
            "data": "96 train / 16 eval greedy continuations of random 6-token prompts, 58 tokens each",
            "budget": {"epochs": args.epochs, "batch_tokens": 512, "ttt_steps": 3, "draft_vocab_size": 512},
            "device": "cpu (float32)", "tiny_target": rows, "kimi_k25_shape": kimi}

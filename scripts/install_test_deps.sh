@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the test suite needs beyond .venv, installed once (idempotent):
-#   chromium  renders the Snakemake HTML report headless (tests/report_checks.py).
+#   chromium  renders the Snakemake HTML report headless (tests/support/report_checks.py).
 #   slurm     a single-node SLURM cluster (slurmctld, slurmd, munge) that
 #             tests/test_slurm.py starts, runs the b200-slurm profile on, and stops.
 # Skips everything already present; needs root (or sudo) only when something is missing.

@@ -13,7 +13,7 @@ import pytest
 
 from eagle3flow.model.draft import DraftConfig
 from eagle3flow.layers import resolve_aux_layer_ids
-from test_workflow import snakemake, workflow_copy
+from support.workflow import snakemake, workflow_copy
 
 
 def test_ids_are_sorted_and_deduplicated_with_a_notice(capsys):

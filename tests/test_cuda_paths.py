@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from helpers import make_random_llama
+from support.targets import make_random_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

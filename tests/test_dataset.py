@@ -18,72 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, SHARED
+from support.builders import TOOL_ROW, TOOLS
+from support.targets import CONVERSATION, FAMILIES, make_chat_tokenizer
 from eagle3flow.data.chat_masks import ChatMasker, MaskError, load_tokenizer
 from eagle3flow.data.dataset import (BadRow, DatasetConfig, DatasetError, conversation_from_record,
                                 make_unique, prepare_dataset)
 
 FIXTURES = Path(__file__).parent / "fixtures"
-TEMPLATES = FIXTURES / "chat_templates"
 DATA = FIXTURES / "datasets"
 SHAREGPT = SHARED / "data" / "sharegpt" / "dummy_conversation.json"
-
-DEEPSEEK_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                        "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
-                        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"]
-# family -> (special tokens, non-special added tokens, bos, eos, end-of-turn marker)
-FAMILIES = {
-    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], [],
-               "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
-    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-              ["<think>", "</think>", "<tool_call>", "</tool_call>"],
-              None, "<|im_end|>", "<|im_end|>"),
-    "deepseek_v3": (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                     *DEEPSEEK_TOOL_TOKENS], [],
-                    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
-    "kimi_k2": (["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-                 "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"], [],
-                "[BOS]", "[EOS]", "<|im_end|>"),
-}
-
-CONVERSATION = [
-    {"role": "system", "content": "You are a terse geography tutor."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris is the capital of France."},
-    {"role": "user", "content": "Say exactly: hello world"},
-    {"role": "assistant", "content": "hello world"},
-    {"role": "user", "content": "And the capital of Italy?"},
-    {"role": "assistant", "content": "Rome."},
-]
-CORPUS = [m["content"] for m in CONVERSATION] + [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Once upon a time in a forest there was a story about numbers one two three.",
-    "You are a helpful assistant. Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024",
-]
-
-
-def make_chat_tokenizer(out_dir: Path, family: str, template: str | None = None) -> Path:
-    """A byte-level BPE (vocab ~400) with ``family``'s special tokens and chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special, plain, bos, eos, _ = FAMILIES[family]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
-                                   clean_up_tokenization_spaces=False)
-    fast.chat_template = template if template is not None else \
-        (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
-    return out_dir
-
 
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
@@ -408,17 +351,6 @@ def test_cli_hub_id_fails_fast_offline(tokenizer_dirs, tmp_path):
     missing = _cli("--input", tmp_path / "missing.jsonl", "--tokenizer", tokenizer_dirs["llama3"],
                    "--out-dir", tmp_path / "out")
     assert missing.returncode == 1 and "missing.jsonl' does not exist" in missing.stderr
-
-
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-TOOL_ROW = {"id": "agent-1", "tools": TOOLS, "messages": [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "temperature=18C; sky=clear"},
-    {"role": "assistant", "content": "Sunny and mild today."}]}
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "kimi_k2"])

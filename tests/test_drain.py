@@ -15,157 +15,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from helpers import alive, live_session_members
-from test_workflow import BIN, REPO, start_snakemake, workflow_copy
-
-FIXTURES = Path(__file__).parent / "fixtures" / "service"
-UNIT = "fake-vllm.service"
-NUM_GPUS = 8
-# The workflow's stage programs that hold the fake GPUs they see (fixtures/service/nvidia-smi).
-GPU_PROGRAMS = "eagle3flow.extract.hf:eagle3flow.train.trainer:eagle3flow.eval.evaluate"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class FakeBox:
-    """One node: a fake vLLM unit holding NUM_GPUS fake GPUs, and the stand-in tools."""
-
-    def __init__(self, root: Path, ignore_sigterm: bool = False):
-        self.root = root
-        self.systemd, self.gpus = root / "systemd", root / "gpus"
-        (self.systemd / "units").mkdir(parents=True)
-        self.gpus.mkdir()
-        (self.gpus / "count").write_text(str(NUM_GPUS))
-        self.port = free_port()
-        command = [sys.executable, str(FIXTURES / "fake_vllm.py"), "--port", str(self.port),
-                   "--gpu-dir", str(self.gpus), "--gpus", str(NUM_GPUS), "--startup-s", "0.3",
-                   "--broken-if", str(root / "unit-broken")]
-        unit = {"exec": command + (["--ignore-sigterm"] if ignore_sigterm else []),
-                "stop_wait_s": 1 if ignore_sigterm else 10, "kill_after_stop_wait": not ignore_sigterm}
-        (self.systemd / "units" / f"{UNIT}.json").write_text(json.dumps(unit))
-        self.env = {**os.environ, "FAKE_SYSTEMD_DIR": str(self.systemd), "FAKE_GPU_DIR": str(self.gpus),
-                    "PATH": f"{FIXTURES}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
-                    "FAKE_GPU_PROGRAMS": GPU_PROGRAMS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.env.pop("EAGLE3FLOW_RUN", None)
-        self.state_dir = root / "state"
-        self.others: list[subprocess.Popen] = []
-
-    def settings(self, **overrides) -> dict:
-        # check_gpu_environment off: the stand-in GPUs are driven by the CPU torch on purpose
-        # (the tests that turn it on show that a real box in that state is refused).
-        return {"enabled": True, "unit": UNIT, "health_url": f"http://127.0.0.1:{self.port}/health",
-                "cgroup_root": str(self.systemd / "cgroup"), "stop_timeout_s": 3,
-                "gpu_release_timeout_s": 3, "health_timeout_s": 20, "poll_interval_s": 0.1,
-                "watchdog_poll_s": 0.3, "check_gpu_environment": False, **overrides}
-
-    def systemctl(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(FIXTURES / "systemctl"), *args], env=self.env, capture_output=True, text=True)
-
-    def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "eagle3flow.ops.service", *args,
-                               "--settings-json", json.dumps(self.settings(**overrides)),
-                               "--state-dir", str(self.state_dir)],
-                              env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
-
-    def live_run(self, stages: list[str]) -> dict:
-        """A live process standing for this run's Snakemake main process, with the plan
-        onstart writes for it; returns the environment its jobs get (its run token)."""
-        from eagle3flow.ops.service import write_plan
-
-        run = subprocess.Popen(["sleep", "300"])
-        self.others.append(run)
-        write_plan(str(self.state_dir), stages, run.pid)
-        plan = json.loads((self.state_dir / "plan.json").read_text())
-        return {"EAGLE3FLOW_RUN": str(plan.get("run_id"))}
-
-    def session(self) -> dict | None:
-        path = self.state_dir / "session.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def start_unit(self) -> None:
-        assert self.systemctl("start", UNIT).returncode == 0
-        assert self.wait_healthy(20), "the fake unit did not come up"
-
-    def unit_pids(self) -> list[int]:
-        pgid_file = self.systemd / "run" / f"{UNIT}.pgid"
-        if not pgid_file.exists():
-            return []
-        return live_session_members(int(pgid_file.read_text()))
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def wait_healthy(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
-
-    def calls(self, verb: str) -> list[str]:
-        log = self.systemd / "calls.log"
-        return [l for l in log.read_text().splitlines() if l.split()[0] == verb] if log.exists() else []
-
-    def starts(self) -> list[dict]:
-        """Every `systemctl start`, with the GPU holders at that moment."""
-        log = self.systemd / "starts.log"
-        return [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
-
-    def break_unit(self, broken: bool = True) -> None:
-        """The unit's next start fails (like vLLM that cannot load) until repaired."""
-        flag = self.root / "unit-broken"
-        flag.touch() if broken else flag.unlink(missing_ok=True)
-
-    def downtime(self) -> list[dict]:
-        path = self.state_dir / "downtime.json"
-        return json.loads(path.read_text()) if path.exists() else []
-
-    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None) -> subprocess.Popen:
-        """A process outside the unit with a context on fake GPU(s) `index` for `seconds`
-        (a foreign one, or with a run's `env` one of that run's jobs)."""
-        proc = subprocess.Popen(["sleep", str(seconds)], start_new_session=True,
-                                env={**self.env, **(env or {})})
-        self.others.append(proc)
-        for i in [index] if isinstance(index, int) else index:
-            (self.gpus / str(i)).mkdir(exist_ok=True)
-            (self.gpus / str(i) / str(proc.pid)).write_text("1200")
-        return proc
-
-    def close(self) -> None:
-        # Only what this test started: a watchdog still waiting, the unit's group, helpers.
-        session = self.state_dir / "session.json"
-        if session.exists():
-            watchdog = json.loads(session.read_text()).get("watchdog_pid")
-            if watchdog and alive(watchdog):
-                os.kill(watchdog, signal.SIGKILL)
-        pgid_file = self.systemd / "run" / f"{UNIT}.pgid"
-        if pgid_file.exists() and self.unit_pids():
-            os.killpg(int(pgid_file.read_text()), signal.SIGKILL)
-        for proc in self.others:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
+from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
+from support.processes import alive
+from support.workflow import REPO, start_snakemake
 
 
 @pytest.fixture
@@ -180,6 +40,8 @@ def box(tmp_path):
 def test_drain_then_restore_records_downtime(box):
     box.start_unit()
     before = box.unit_pids()
+    gpu_holders = {int(p.name) for p in box.gpus.glob("*/*")}
+    assert gpu_holders and gpu_holders < set(before), (gpu_holders, before)  # the worker, not the server
     flag = box.root / "flag"
     result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "4", "--flag", str(flag))
     assert result.returncode == 0, result.stderr
@@ -250,6 +112,7 @@ def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
     try:
         box.start_unit()
         server = box.unit_pids()
+        assert len(server) >= 2, server      # the server and its GPU-holding worker
         result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", stop_timeout_s=2)
         assert result.returncode == 1
         assert f"{UNIT} did not stop within drain.stop_timeout_s=2" in result.stderr, result.stderr
@@ -351,16 +214,16 @@ def test_watchdog_waits_for_the_jobs_of_the_dead_run_then_restores(box):
     run_env = box.live_run(["train_draft"])
     run = box.others[-1]
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    held_from = time.time()
     job = box.hold_gpu(list(range(NUM_GPUS)), seconds=6, env=run_env)
     run.kill()
     run.wait()
     wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
-    job_end = time.time()
     assert job.poll() is not None, "restored while the dead run's job still held the GPUs"
     assert all(not start["gpu_holders"] for start in box.starts()), box.starts()
+    assert box.starts()[-1]["at"] >= held_from + 6, "the unit was started before the job's 6 s were up"
     assert box.healthy() and box.session() is None
     assert box.downtime()[-1]["reason"].startswith("watchdog:")
-    assert job_end > 0
 
 
 def test_drain_for_another_stage_of_the_same_run_leaves_its_gpu_jobs_alone(box):
@@ -538,43 +401,6 @@ def test_drain_refuses_a_cpu_only_environment_before_touching_the_unit(box):
 
 
 # --- the workflow, run by Snakemake on the embedded default with a tiny config ---------
-
-def tiny_config(box: FakeBox, path: Path, **drain) -> Path:
-    path.write_text(json.dumps({
-        "embedded": {"train_steps": 1, "max_conversations": 60},
-        "dataset": {"max_length": 128},
-        "vocab": {"draft_vocab_size": 128},
-        "train": {"epochs": 1, "batch_tokens": 1024, "checkpoint_every": 1000, "eval_max_tokens": 256},
-        "evaluate": {"num_prompts": 2, "max_tokens": 8},
-        "drain": box.settings(**drain),
-    }))
-    return path
-
-
-def snakemake_args(workdir: Path, config: Path) -> list[str]:
-    return ["--profile", str(workdir / "profiles" / "local-8gpu"), "--cores", "2",
-            "--configfile", str(workdir / "profiles" / "local-8gpu" / "workflow.yaml"), str(config)]
-
-
-def run_snakemake(box: FakeBox, workdir: Path, *args: str, timeout: float = 300, **env):
-    return subprocess.run([str(BIN / "snakemake"), *args], cwd=workdir, env={**box.env, **env},
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    """A workflow copy with the CPU stages before extraction done (drain on). Running
-    them never touches the service: no GPU stage had to run."""
-    root = tmp_path_factory.mktemp("upstream")
-    box = FakeBox(root / "box")
-    workdir = workflow_copy(root / "wf")
-    config = tiny_config(box, root / "tiny.json")
-    result = run_snakemake(box, workdir, "results/dataset/train.parquet",
-                           "results/vocab/vocab_map.safetensors", *snakemake_args(workdir, config))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert not (box.systemd / "calls.log").exists(), "a CPU-only run touched the service"
-    return workdir
-
 
 def fresh_run(upstream: Path, tmp_path: Path, **drain):
     box = FakeBox(tmp_path / "box")

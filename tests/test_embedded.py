@@ -220,7 +220,15 @@ def test_cli_tiny_build(tmp_path):
                                      return_tensors="pt", return_dict=True)
     with torch.no_grad():
         generated = model.generate(**prompt, max_new_tokens=3, do_sample=False)
-    assert generated.shape[1] == prompt["input_ids"].shape[1] + 3 or generated[0, -1].item() in (1, 4)
+        # Greedy by hand: the argmax of the target's own logits, ended early only by one of
+        # generation_config's eos ids (<|eot_id|> 4, <|end_of_text|> 1).
+        ids, expected = prompt["input_ids"], []
+        while len(expected) < 3 and (not expected or expected[-1] not in (1, 4)):
+            expected.append(int(model(ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[expected[-1]]])], dim=1)
+    prompt_len = prompt["input_ids"].shape[1]
+    assert generated[0, :prompt_len].tolist() == prompt["input_ids"][0].tolist()
+    assert generated[0, prompt_len:].tolist() == expected
 
 
 def test_cli_rejects_bad_flags(tmp_path):

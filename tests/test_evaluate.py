@@ -14,10 +14,7 @@ import torch
 from eagle3flow.eval.evaluate import (acceptance_summary, compare_outputs, evaluate,
                                  replay_greedy_speculation)
 from eagle3flow.serving.vllm_runner import render_prompts, run_vllm
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
+from support.targets import make_chat_target, make_random_llama, save_bpe_chat_tokenizer
 
 # ----------------------------------------------------------------------------- replay
 
@@ -105,34 +102,6 @@ def test_compare_outputs_lists_mismatches():
 
 
 # ----------------------------------------------------------------------------- tiny target
-
-def save_bpe_chat_tokenizer(out_dir: Path, texts: list[str], vocab_size: int) -> None:
-    """A byte-level BPE tokenizer trained on ``texts``, with the chat template, saved in ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, show_progress=False,
-        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>", chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
-
-
-def make_chat_target(out_dir: Path) -> Path:
-    """A random Llama vLLM's CPU attention accepts (head_dim 32) with a byte-level BPE
-    tokenizer and a chat template, all built offline."""
-    from helpers import make_random_llama
-
-    make_random_llama(out_dir, heads=2, kv_heads=1)
-    corpus = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(100)]
-    save_bpe_chat_tokenizer(out_dir, corpus * 2 + ["hello world, how are you today?"] * 20, 512)
-    return out_dir
-
 
 def write_eval_prompts(path: Path, n: int) -> Path:
     words = ["fox", "dog", "hello", "quick", "lazy", "world", "brown", "today"]
@@ -355,8 +324,6 @@ def mt_bench_chat_target(out_dir: Path, questions: Path) -> Path:
     """A random Llama with a 2048-token BPE tokenizer trained on the MT-bench questions
     themselves (about 4 characters a token, so prompts stay short and the test cheap)
     and room for the longest question plus a second turn."""
-    from helpers import make_random_llama
-
     make_random_llama(out_dir, vocab_size=2048, heads=2, kv_heads=1)
     config = json.loads((out_dir / "config.json").read_text())
     config["max_position_embeddings"] = 2048

@@ -17,28 +17,13 @@ from eagle3flow.model.draft import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_p
 from eagle3flow.export.checkpoint import export_draft
 from eagle3flow.target.weights import load_target_config, load_target_head
 from eagle3flow.train.trainer import build_draft, load_vocab_map
+from support.builders import make_hidden_states, make_random_vocab_map, make_vocab_map, save_train_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def save_train_dir(model: Eagle3Draft, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()}, str(out / "draft.safetensors"))
-    (out / "draft_config.json").write_text(json.dumps(model.config.to_dict()))
-    return out
-
-
-def make_vocab(vocab: int, draft_vocab: int, path: Path, seed: int = 0) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    save_file({"d2t": kept - torch.arange(draft_vocab), "t2d": t2d}, str(path))
-    return path
-
-
 def test_export_roundtrip(random_llama_target, tmp_path):
-    vmap = make_vocab(512, 100, tmp_path / "vocab.safetensors")
+    vmap = make_random_vocab_map(512, 100, tmp_path / "vocab.safetensors")
     d2t, t2d = load_vocab_map(vmap)
     model, teacher = build_draft(random_llama_target, [2, 4, 5], d2t, t2d, {"intermediate_size": 96}, seed=0)
     with torch.no_grad():
@@ -77,7 +62,7 @@ def test_export_roundtrip(random_llama_target, tmp_path):
                     "--out-dir", str(tmp_path / "draft_bf16")], check=True, cwd=REPO)
     assert load_file(str(tmp_path / "draft_bf16" / "model.safetensors"))["lm_head.weight"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="not the vocab map"):
-        export_draft(tmp_path / "train", make_vocab(512, 100, tmp_path / "other.safetensors", seed=1),
+        export_draft(tmp_path / "train", make_random_vocab_map(512, 100, tmp_path / "other.safetensors", seed=1),
                      random_llama_target, tmp_path / "draft_bad")
 
 
@@ -185,7 +170,6 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     """vLLM loads the export, drafts with it, keeps greedy outputs identical, and accepts
     exactly the tokens our own replay of its serving loop predicts."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_train import make_hidden_states, make_vocab_map
 
     from eagle3flow.train.trainer import load_trained, train
 
@@ -235,10 +219,9 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     greedy outputs identical, acceptance per position from vLLM's counters equal to the
     exact replay's, and above a random-weight MLA draft's."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_train import make_hidden_states, make_vocab_map
 
     from eagle3flow.eval.evaluate import evaluate
-    from eagle3flow.tiny_targets import make_tiny_deepseek_v3
+    from support.tiny_targets import make_tiny_deepseek_v3
     from eagle3flow.train.trainer import train
 
     target = make_tiny_deepseek_v3(tmp_path / "target", seed=0)

@@ -38,9 +38,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import alive
-from test_drain import FakeBox, UNIT, run_snakemake, snakemake_args, tiny_config, upstream  # noqa: F401
-from test_workflow import REPO, snakemake, start_snakemake, workflow_copy
+from support.box import UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
+from support.processes import alive
+from support.workflow import REPO, snakemake, start_snakemake, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
 

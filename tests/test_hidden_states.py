@@ -20,6 +20,8 @@ from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
 from eagle3flow.extract.hf import capture, extract
 from eagle3flow.extract.shard_plan import partition_manifest_name
 from eagle3flow.extract.shards import main as shards_main
+from support.builders import write_dataset
+from support.targets import make_random_llama
 
 AUX = [0, 2, 4, 7]  # includes the embeddings (0) and the last layer's input (N-1)
 
@@ -37,17 +39,6 @@ def one_thread():
 def model(random_llama_target):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(random_llama_target), dtype=torch.float32).eval()
-
-
-def write_dataset(path: Path, num_samples: int, seed: int = 0, min_len: int = 2, max_len: int = 40):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(num_samples):
-        n = int(rng.integers(min_len, max_len))
-        rows.append({"id": f"sample-{i}", "input_ids": rng.integers(0, 512, n).astype(np.int32),
-                     "loss_mask": (rng.random(n) < 0.5).astype(np.int8), "num_tokens": np.int32(n)})
-    pd.DataFrame(rows).to_parquet(path, row_group_size=7)  # several row groups: streamed reads
-    return path
 
 
 def shard_files(cache_root: Path) -> list[Path]:
@@ -398,7 +389,6 @@ def test_target_fingerprint_reads_headers_and_samples_not_the_weights(tmp_path, 
 
 def test_target_fingerprint_follows_the_weights_not_the_copy(tmp_path, random_llama_target):
     """A copy of the same weights (new mtimes) keeps the cache; other weights do not."""
-    from helpers import make_random_llama
 
     dataset = write_dataset(tmp_path / "train.parquet", 6)
     key = lambda target: extraction.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache",

@@ -8,7 +8,7 @@ import yaml
 
 from eagle3flow.export.model_card import render
 from eagle3flow.export.publish import PublishError, plan
-from test_sglang_contract import exported
+from support.builders import export_untrained_draft
 
 
 def summary(k=3) -> dict:
@@ -22,7 +22,7 @@ def summary(k=3) -> dict:
 
 
 def test_card_has_hub_metadata_serving_lines_and_the_evaluation(random_llama_target, tmp_path):
-    config, _ = exported(random_llama_target, tmp_path)
+    config, _ = export_untrained_draft(random_llama_target, tmp_path)
     vocab = {"coverage": 0.987}
     dataset = {"splits": {"train": {"samples": 900, "tokens": 120000}, "eval": {"samples": 48}},
                "regenerated": {"samples": 948}}
@@ -39,14 +39,14 @@ def test_card_has_hub_metadata_serving_lines_and_the_evaluation(random_llama_tar
 
 
 def test_a_draft_sglang_cannot_serve_gets_no_sglang_command(random_llama_target, tmp_path):
-    exported(random_llama_target, tmp_path, overrides={"norm_before_residual": True})
+    export_untrained_draft(random_llama_target, tmp_path, overrides={"norm_before_residual": True})
     card = render(tmp_path / "draft", None, {"coverage": 1.0}, None, None, "t")
     assert "SGLang would not serve this draft as trained: norm_before_residual" in card
     assert "--speculative-draft-model-path" not in card
 
 
 def test_publish_refuses_before_any_network(random_llama_target, tmp_path, monkeypatch):
-    exported(random_llama_target, tmp_path)
+    export_untrained_draft(random_llama_target, tmp_path)
     draft = tmp_path / "draft"
     with pytest.raises(PublishError, match="hub.repo_id"):
         plan(draft, "no-slash", "HF_TOKEN")

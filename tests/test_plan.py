@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 
@@ -17,8 +16,9 @@ import pytest
 import yaml
 
 from conftest import REPO
-from helpers import write_word_conversations
-from test_workflow import BIN, snakemake, snakemake_env, workflow_copy
+from support.builders import write_word_conversations
+from support.targets import make_chat_target
+from support.workflow import BIN, snakemake, snakemake_env, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
 
@@ -83,20 +83,11 @@ def test_parse_bytes_and_job_stats():
 
 # ---------------------------------------------------------------- a real run: plan vs measured
 
-def make_chat_target(random_llama, out_dir):
-    """The random 8-layer Llama (H=64) with a llama3 chat tokenizer beside it."""
-    from test_dataset import make_chat_tokenizer
-
-    shutil.copytree(random_llama, out_dir)
-    make_chat_tokenizer(out_dir, "llama3")
-    return out_dir
-
-
 @pytest.fixture(scope="module")
-def extraction_run(tmp_path_factory, random_llama_target):
+def extraction_run(tmp_path_factory):
     """Snakemake runs prepare_dataset, then extraction, on a small random target."""
     root = tmp_path_factory.mktemp("plan_run")
-    target = make_chat_target(random_llama_target, root / "target")
+    target = make_chat_target(root / "target", family="llama3")
     write_word_conversations(root / "chats.jsonl", 160)
     workdir = workflow_copy(root / "wf")
     config = yaml.safe_load((workdir / "config.yaml").read_text())

@@ -1,7 +1,7 @@
 """regenerate_responses against a real vLLM CPU server of an embedded target.
 
 One tiny embedded target (built here in seconds) is served once for the module by the
-stage's own ``serve_target``; a real HTTP proxy process (tests/error_proxy.py) in front
+stage's own ``serve_target``; a real HTTP proxy process (tests/support/error_proxy.py) in front
 of it records every request and fails chosen ones. Requests that reach vLLM are
 counted at its /metrics.
 """
@@ -21,6 +21,8 @@ import pytest
 from eagle3flow.data.dataset import DatasetConfig, iter_conversations, prepare_dataset
 from eagle3flow.data.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
                                    serve_target, SERVED_NAME)
+from support.builders import TOOL_ROW, TOOLS
+from support.targets import make_chat_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -112,7 +114,7 @@ class Proxy:
         (workdir / "rules.json").write_text(json.dumps(rules))
         self.record = workdir / "requests.jsonl"
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "error_proxy.py"), "--upstream", upstream,
+            [sys.executable, str(REPO / "tests" / "support" / "error_proxy.py"), "--upstream", upstream,
              "--rules", str(workdir / "rules.json"), "--record", str(self.record)],
             stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -400,9 +402,6 @@ class ToolCallingServer:
 def test_tool_calls_are_sent_kept_and_trained_on(tmp_path):
     """An agent row: the tools go with every request, the target's own call is kept (and sent
     back in OpenAI's wire format before the tool's output), and the dataset trains on it."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_dataset import TOOL_ROW, TOOLS, make_chat_tokenizer
-
     data = tmp_path / "agent.jsonl"
     data.write_text(json.dumps(TOOL_ROW) + "\n")
     server = ToolCallingServer()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from eagle3flow.report.render import FIGURES, NO_DOWNTIME, build_report
+from support.report_checks import check_report
 
 BIN = Path(sys.executable).parent
 
@@ -149,7 +150,6 @@ rule figures:
 def test_snakemake_report_renders_in_chromium(tmp_path):
     """A real `snakemake --report` of the report stage's outputs, rendered in Chromium:
     the check the end-to-end test applies to the embedded workflow's report."""
-    from report_checks import check_report
 
     paths = fake_stage_outputs(tmp_path / "results")
     wf = tmp_path / "wf"

@@ -22,17 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_workflow import BIN, REPO, workflow_copy
+from eagle3flow.data.regenerate import free_port
+from support.workflow import BIN, REPO, workflow_copy
 
 ETC_CONF = Path("/etc/slurm/slurm.conf")
 NODE = "toy0"
 FAKE_GPUS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str, logs=()) -> None:

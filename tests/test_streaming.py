@@ -28,7 +28,9 @@ import yaml
 
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops import streaming
-from test_workflow import kill_when, place_embedded, snakemake, start_snakemake, workflow_copy
+from support.box import FakeBox
+from support.builders import make_hidden_states, make_vocab_map
+from support.workflow import kill_when, place_embedded, snakemake, start_snakemake, workflow_copy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,8 +67,6 @@ def test_chain_from_budget():
 @pytest.fixture(scope="module")
 def two_parts(random_llama_target, tmp_path_factory):
     """Two partitions' manifests (hidden states of the random target) and a vocab map."""
-    from test_train import make_hidden_states, make_vocab_map
-
     root = tmp_path_factory.mktemp("stream_parts")
     parts = [make_hidden_states(random_llama_target, root / f"part{k}", num_samples=8, seed=k,
                                 samples_per_shard=4) for k in range(2)]
@@ -314,8 +314,6 @@ def test_streamed_draft_acceptance_within_noise_of_unbudgeted(streamed):
 def test_drain_stays_down_until_the_last_job_of_alternating_stages(tmp_path):
     """On one box the chain alternates extraction and training jobs: the unit comes back
     after the last job of the run, not after each stage's first."""
-    from test_drain import FakeBox
-
     box = FakeBox(tmp_path / "box")
     try:
         box.start_unit()

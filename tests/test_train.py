@@ -13,67 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.extract import shards
-from eagle3flow.atomic import write_json
 from eagle3flow.train.trainer import evaluate_split, load_trained, resolve_train_config, train
+from support.builders import TRAIN_CONFIG, losses, make_hidden_states, make_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-
-def make_hidden_states(target: Path, out: Path, num_samples: int = 24, seed: int = 0,
-                       aux_layer_ids=(2, 4, 5), samples_per_shard: int = 8) -> Path:
-    """Greedy continuations of random prompts by the target, captured like extraction does.
-
-    Loss mask is 0 on the 4-token prompt, 1 on the continuation.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    entries, buf = [], {k: [] for k in ("ids", "input_ids", "loss_mask", "aux", "last")}
-    prompts = torch.randint(3, vocab, (num_samples, 4), generator=g)
-    lengths = torch.randint(16, 48, (num_samples,), generator=g).tolist()
-    with torch.no_grad():      # one batched greedy generation, cut to each sample's length
-        full = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=44,
-                              min_new_tokens=44, do_sample=False, pad_token_id=0)
-    for i in range(num_samples):
-        ids = full[i, :lengths[i]]
-        with torch.no_grad():
-            outs = model(ids[None], output_hidden_states=True)
-        hs = outs.hidden_states
-        buf["ids"].append(f"s{i}")
-        buf["input_ids"].append(ids)
-        buf["loss_mask"].append((torch.arange(ids.numel()) >= 4).to(torch.uint8))
-        buf["aux"].append(torch.cat([hs[k][0] for k in aux_layer_ids], -1))
-        buf["last"].append(hs[-1][0])
-        if len(buf["ids"]) == samples_per_shard or i == num_samples - 1:
-            entries.append(shards.write_shard(out / "shards" / shards.shard_name(len(entries)), buf["ids"],
-                                              buf["input_ids"], buf["loss_mask"], buf["aux"], buf["last"]))
-            buf = {k: [] for k in buf}
-    # hidden_states[-1] must be the final-norm output (teacher logits = lm_head(last))
-    torch.testing.assert_close(model.lm_head(hs[-1]), outs.logits, rtol=1e-4, atol=1e-4)
-    manifest = {"format": shards.FORMAT, "shards": entries, "shard_dir": str(out / "shards"),
-                "aux_layer_ids": list(aux_layer_ids), "hidden_size": model.config.hidden_size,
-                "dtype": "float32", "num_layers": model.config.num_hidden_layers,
-                "target_path": str(target), "num_samples": num_samples,
-                "num_tokens": sum(e["num_tokens"] for e in entries)}
-    write_json(out / "manifest.json", manifest)
-    return out / "manifest.json"
-
-
-def make_vocab_map(manifest: Path, vocab_size: int, draft_vocab: int, out: Path) -> Path:
-    """The most frequent tokens of the data, then the lowest ids, sorted by target id."""
-    counts = torch.zeros(vocab_size)
-    for s in shards.load_manifest(manifest).iter_samples():
-        counts += torch.bincount(s["input_ids"].long(), minlength=vocab_size)
-    order = torch.argsort(counts + torch.linspace(1e-3, 0, vocab_size), descending=True)
-    kept = order[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    save_file({"d2t": kept - torch.arange(draft_vocab), "t2d": t2d}, str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +29,10 @@ def train_inputs(random_llama_target, tmp_path_factory):
     return {"train": train_m, "eval": eval_m, "vocab": vmap, "target": random_llama_target}
 
 
-CONFIG = {"ttt_steps": 3, "epochs": 8, "batch_tokens": 256, "lr": 5e-3, "warmup_ratio": 0.1,
-          "log_every": 1, "checkpoint_every": 3, "keep_checkpoints": 2, "device": "cpu"}
-
-
 def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
     out = tmp_path / "train"
     result = train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"],
-                   train_inputs["target"], out, tmp_path / "cache", CONFIG)
+                   train_inputs["target"], out, tmp_path / "cache", TRAIN_CONFIG)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and result["steps"] == len(rows)
     first, last = rows[0], rows[-1]
@@ -123,7 +63,7 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
     # a rerun after completion does not train again and rewrites the same outputs
     t0 = time.monotonic()
     train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"],
-          train_inputs["target"], out, tmp_path / "cache", CONFIG)
+          train_inputs["target"], out, tmp_path / "cache", TRAIN_CONFIG)
     assert [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] == rows
 
 
@@ -131,7 +71,7 @@ def run_cli(inputs, out, cache, env_extra=None, wait=True):
     cmd = [PY, "-m", "eagle3flow.train.trainer", "--train-manifest", str(inputs["train"]),
            "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
            "--out-dir", str(out), "--cache-root", str(cache),
-           "--config-json", json.dumps({**CONFIG, "epochs": 4, "checkpoint_every": 2})]
+           "--config-json", json.dumps({**TRAIN_CONFIG, "epochs": 4, "checkpoint_every": 2})]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -140,11 +80,6 @@ def run_cli(inputs, out, cache, env_extra=None, wait=True):
         assert proc.returncode == 0, output
         return output
     return proc
-
-
-def losses(out: Path):
-    return [(r["step"], r["loss"], r["step_loss"], r["step_acc"])
-            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
 def test_killed_run_resumes_bitwise(train_inputs, tmp_path):
@@ -179,7 +114,7 @@ def test_bad_inputs_are_named(train_inputs, tmp_path):
     t2d[:10] = True
     save_file({"d2t": torch.zeros(12, dtype=torch.int64), "t2d": t2d}, str(bad))
     with pytest.raises(ValueError, match="bad_vocab.safetensors: d2t and t2d disagree"):
-        train(train_inputs["train"], None, bad, train_inputs["target"], tmp_path / "o", tmp_path / "c", CONFIG)
+        train(train_inputs["train"], None, bad, train_inputs["target"], tmp_path / "o", tmp_path / "c", TRAIN_CONFIG)
 
 
 def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
@@ -187,7 +122,7 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
 
     out = tmp_path / "train"
     train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
-          tmp_path / "cache", {**CONFIG, "epochs": 2, "report_to": ["tensorboard"]})
+          tmp_path / "cache", {**TRAIN_CONFIG, "epochs": 2, "report_to": ["tensorboard"]})
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

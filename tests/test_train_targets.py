@@ -6,36 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from test_train import make_vocab_map
-
 from eagle3flow.model.draft import DraftConfig, rope_inv_freq
 from eagle3flow.extract.hf import extract
 from eagle3flow.target.weights import load_target_head
-from eagle3flow.tiny_targets import make_tiny_deepseek_v3
 from eagle3flow.train.trainer import train
+from support.builders import make_vocab_map, write_dataset
+from support.tiny_targets import make_tiny_deepseek_v3
 
 HEAD_TENSORS = ("language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
                 "language_model.lm_head.weight")
-
-
-def write_dataset(path: Path, vocab: int, num_samples: int, seed: int) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    ids, masks = [], []
-    for n in torch.randint(16, 40, (num_samples,), generator=g).tolist():
-        ids.append(torch.randint(3, vocab, (n,), generator=g).tolist())
-        masks.append([0] * 4 + [1] * (n - 4))
-    table = pa.table({"id": [f"s{i}" for i in range(num_samples)],
-                      "input_ids": pa.array(ids, pa.list_(pa.int32())),
-                      "loss_mask": pa.array(masks, pa.list_(pa.int8())),
-                      "num_tokens": pa.array([len(x) for x in ids], pa.int32())})
-    pq.write_table(table, path)
-    return path
 
 
 def test_deepseek_v3_nested_sharded_target_trains_end_to_end(tmp_path):
@@ -53,7 +36,7 @@ def test_deepseek_v3_nested_sharded_target_trains_end_to_end(tmp_path):
 
     # Hidden states by the HF extraction, from the same weights in the plain layout.
     vocab = json.loads((plain / "config.json").read_text())["vocab_size"]
-    data = write_dataset(tmp_path / "train.parquet", vocab, 12, seed=0)
+    data = write_dataset(tmp_path / "train.parquet", 12, seed=0, min_len=16, vocab=vocab)
     manifest = tmp_path / "hs" / "manifest.json"
     extract(data, plain, manifest, tmp_path / "hs_cache", dtype="float32", device="cpu", shard_tokens=150)
     vmap = make_vocab_map(manifest, vocab, 256, tmp_path / "vocab_map.safetensors")

@@ -22,12 +22,12 @@ import torch
 from eagle3flow.extract import hf as hidden_states, shards
 from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
 from eagle3flow.extract.hf import extract
-from eagle3flow.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
 from eagle3flow.extract.vllm import (capture_layer_ids, check_layer_ids, find_cache_group,
                                      gather_sample, restore_order)
-from helpers import live_session_members
-from test_hidden_states import write_dataset
-from test_workflow import kill_when
+from support.builders import write_dataset
+from support.processes import live_session_members
+from support.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
+from support.workflow import kill_when
 
 REPO = Path(__file__).resolve().parent.parent
 # Unordered on purpose: vLLM hands them back ascending, and the extraction CLI sorts them

@@ -8,64 +8,16 @@ training resumed from its checkpoint, and that vLLM speculates with the draft.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
-BIN = Path(sys.executable).parent
+from support.builders import write_word_conversations
+from support.report_checks import check_embedded_report
+from support.workflow import (BIN, REPO, answer_diversity, greedy_answers, kill_when, place_embedded, snakemake,
+                              snakemake_env, start_snakemake, workflow_copy)
+
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-
-
-def workflow_copy(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name)
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
-
-
-def snakemake_env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.update(extra)
-    return env
-
-
-def snakemake(workdir: Path, *args: str, timeout: float = 1800, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "snakemake"), *args], cwd=workdir, env=snakemake_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def start_snakemake(workdir: Path, *args: str, log: Path, **env) -> subprocess.Popen:
-    out = open(log, "w")
-    return subprocess.Popen([str(BIN / "snakemake"), *args], cwd=workdir, env=snakemake_env(**env),
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_when(proc: subprocess.Popen, ready, timeout: float, what: str, log: Path) -> None:
-    """SIGKILL the whole Snakemake process group (we started it) once ready() holds."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            pytest.fail(f"workflow ended (rc={proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def file_identity(paths) -> dict:
@@ -106,15 +58,6 @@ def test_lint_is_clean():
     result = snakemake(REPO, "--lint", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Congratulations" in result.stdout + result.stderr
-
-
-def place_embedded(build: Path, workdir: Path) -> None:
-    """The session's embedded build as this workflow's (Snakemake then does not rebuild it)."""
-    dest = workdir / "results" / "embedded"
-    dest.mkdir(parents=True)
-    shutil.copytree(build / "target", dest / "target")
-    for name in ("conversations.jsonl", "build_stats.json"):
-        shutil.copy2(build / name, dest / name)
 
 
 @pytest.mark.slow
@@ -159,7 +102,6 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert abs(simulated_al - vllm_al) / vllm_al <= 0.15, (simulated_al, vllm_al)
     # The target's greedy answers are real answers: distinct and long enough that the
     # acceptance of later draft positions is measured at all; and it still rises past K=3.
-    from helpers import answer_diversity, greedy_answers
     distinct, median_tokens = answer_diversity(greedy_answers(workdir / "results"))
     assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
     by_k = summary["acceptance_length_vs_k"]
@@ -188,7 +130,6 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert "Nothing to be done" in result.stdout + result.stderr, result.stdout
 
     # 5. The report: one self-contained HTML with every figure, rendered in Chromium.
-    from report_checks import check_embedded_report
     check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env())
 
 
@@ -225,7 +166,6 @@ def test_real_target_end_to_end(tmp_path):
     assert abs(simulated_al - vllm_al) / vllm_al <= 0.15, (simulated_al, vllm_al)
     rates = eval_result["vllm"]["acceptance_rate_per_position"]
     assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates) and rates[0] > 0, rates
-    from helpers import answer_diversity, greedy_answers
     distinct, median_tokens = answer_diversity(greedy_answers(results))
     assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
     if MT_BENCH.is_file():
@@ -242,9 +182,7 @@ def test_mla_target_end_to_end(tmp_path):
     Eagle3DeepseekV2ForCausalLM, served by vLLM (CPU) on its target, and replayed."""
     import yaml
 
-    from helpers import write_word_conversations
-
-    from eagle3flow.tiny_targets import make_tiny_deepseek_v3
+    from support.tiny_targets import make_tiny_deepseek_v3
 
     target = make_tiny_deepseek_v3(tmp_path / "target", seed=0)
     data = write_word_conversations(tmp_path / "chats.jsonl", 160)

@@ -1,4 +1,5 @@
-"""Tiny random-weight targets of production architectures, made offline in seconds.
+"""Tiny random-weight targets of production architectures, made offline in seconds
+(test support; benchmarks/mla_vs_llama.py builds its target with it too).
 
 :func:`make_tiny_deepseek_v3` writes a ``DeepseekV3ForCausalLM`` HF directory: the
 architecture of DeepSeek-V3 / Kimi-K2 (MLA attention, MoE with shared experts and

@@ -1,6 +1,6 @@
 """A real HTTP proxy in front of a real server that fails chosen requests (tests only).
 
-    python tests/error_proxy.py --upstream http://127.0.0.1:PORT --rules rules.json \\
+    python tests/support/error_proxy.py --upstream http://127.0.0.1:PORT --rules rules.json \\
         --record requests.jsonl
 
 Prints ``READY <port>`` once it listens on 127.0.0.1 (an ephemeral port). Every POST
