@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.data.dataset import DatasetConfig, iter_conversations, prepare_dataset
+from eagle3flow.data.dataset import DatasetConfig, prepare_dataset
+from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
                                    serve_target, SERVED_NAME)
 
