@@ -44,6 +44,7 @@ from safetensors import safe_open
 
 from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
+from eagle3flow.data.samples import LENGTH_POLICIES
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 
@@ -254,7 +255,6 @@ def load_target(target_path, dtype: torch.dtype, device: torch.device):
 # ----------------------------------------------------------------------------- dataset plan
 
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask", "num_tokens")
-LENGTH_POLICIES = ("truncate", "drop")
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3flow.atomic import replacing, write_json, write_text
+from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 
 FORMAT = "eagle3flow.extract.hf.v1"
 TENSOR_NAMES = ("input_ids", "loss_mask", "cu_seqlens", "aux_hidden_states", "last_hidden_state")
@@ -327,10 +328,6 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a hidden-state manifest of format {FORMAT}")
     return Manifest(path, data)
-
-
-# Summed over partitions; every other key must agree between them.
-SUMMED_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "truncated_samples", "dropped_samples")
 
 
 def merge_manifests(parts: list[dict], where: list[str] | None = None) -> dict:
