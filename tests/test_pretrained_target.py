@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3flow.data import builtin_prompts
-from eagle3flow.data.dataset import BadRow, conversation_from_record, iter_conversations
+from eagle3flow.data.order import iter_conversations
+from eagle3flow.data.records import BadRow, conversation_from_record
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

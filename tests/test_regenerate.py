@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.data.dataset import DatasetConfig, iter_conversations, prepare_dataset
-from eagle3flow.data.regenerate import (ResponseCache, assistant_message, main, reasoning_form,
-                                   serve_target, SERVED_NAME)
+from eagle3flow.data.dataset import DatasetConfig, prepare_dataset
+from eagle3flow.data.order import iter_conversations
+from eagle3flow.data.regenerate import ResponseCache, assistant_message, main, reasoning_form
+from eagle3flow.serving.vllm_server import SERVED_NAME, serve_target
 from support.builders import TOOL_ROW, TOOLS
 from support.targets import make_chat_tokenizer
 
@@ -299,7 +300,7 @@ def test_server_errors_are_retried_then_skipped_or_fail(server, proxy, dataset, 
 
 @pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
 def test_fails_early_when_down_or_wrong_model(server, dataset, embedded, tmp_path, capsys):
-    from eagle3flow.data.regenerate import free_port
+    from eagle3flow.serving.vllm_server import free_port
 
     before = requests_served(server)
     t0 = time.monotonic()

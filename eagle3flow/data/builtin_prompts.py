@@ -16,7 +16,7 @@ of the file are a balanced sample whatever N is. A fraction gets a second user t
 ("Give an example.", "Make it shorter.") and some open with a system prompt; the
 assistant turns are left for the target to write: a row is
 ``{"id", "messages": [user, assistant (content null), user]}`` or ``{"id", "messages":
-[user]}``, which ``regenerate`` answers turn by turn (eagle3flow/data/dataset.py, prompt-only
+[user]}``, which ``regenerate`` answers turn by turn (eagle3flow/data/records.py, prompt-only
 rows).
 
 CLI::
@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 from eagle3flow.atomic import write_jsonl
+from eagle3flow.embedded.corpus import first_paragraph, iter_documented_members
 
 TOPICS = (
     "photosynthesis", "black holes", "the water cycle", "inflation", "machine learning",
@@ -229,8 +230,6 @@ ITEMS = ("apples", "books", "pencils", "stickers", "marbles", "cookies", "cards"
 def _documentation_paragraphs() -> tuple[str, ...]:
     """Prose paragraphs of Python's stdlib docstrings (present on every machine), for the
     summarize task: a few hundred real texts of 20 to 120 words, in a fixed order."""
-    from eagle3flow.embedded.corpus import first_paragraph, iter_documented_members
-
     paragraphs, seen = [], set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

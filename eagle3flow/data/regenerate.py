@@ -6,7 +6,7 @@ another distribution. This stage asks the target's own OpenAI-compatible server
 assistant turn of the dataset; ``prepare_dataset --regenerated`` then trains on them.
 
 Prompts: the conversations ``prepare_dataset`` would use, parsed the same way (same
-sample ids, same order, same ``max_samples`` cap: ``dataset.iter_conversations``).
+sample ids, same order, same ``max_samples`` cap: ``order.iter_conversations``).
 A multi-turn conversation is answered turn by turn: turn ``t`` is sent with the user
 turns so far and the target's own answers to turns ``< t`` (their content only, as a
 chat client sends them back). Reasoning a server returns (``reasoning_content`` or
@@ -21,10 +21,10 @@ and never logged. Before the first prompt the server must list ``model`` at
 ``/v1/models``: a server that is down, rejects the token or serves another model
 fails the stage at once. ``--serve-target DIR`` (the embedded default, which has no
 production server) starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 for the
-duration of the run and stops it after.
+duration of the run and stops it after (serving/vllm_server.py).
 
 Politeness: at most ``max_concurrency`` conversations in flight over as many pooled
-keep-alive connections (httpx); 429, 5xx, timeouts and dropped connections are retried
+keep-alive connections (httpx, data/chat_client.py); 429, 5xx, timeouts and dropped connections are retried
 ``max_retries`` times with exponential backoff and jitter (``Retry-After`` honoured);
 any other 4xx fails that prompt at once.
 
@@ -52,27 +52,22 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.config import schema_defaults
+from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries, redact_url
+from eagle3flow.data.order import iter_conversations
+from eagle3flow.data.records import tool_calls_for_templates
 from eagle3flow.progress import Progress
+from eagle3flow.serving.vllm_server import ServerError, serve_target
 
 # The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
 DEFAULTS = schema_defaults("regenerate")
@@ -80,104 +75,11 @@ DEFAULTS = schema_defaults("regenerate")
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")
 URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
-RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 LIST_LIMIT = 1000
-SERVED_NAME = "builtin-target"
 
 
 class RegenerateError(RuntimeError):
     """The stage cannot go on (server unreachable, wrong model, too many failures)."""
-
-
-class PromptFailed(Exception):
-    """One conversation could not be answered; ``reason`` goes to the stats."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Transient(Exception):
-    """A failure worth retrying (429/5xx, timeout, dropped connection)."""
-
-    def __init__(self, reason: str, retry_after: float | None = None):
-        super().__init__(reason)
-        self.reason, self.retry_after = reason, retry_after
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user:password, for messages and stats."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username or parts.password:
-        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
-    return urllib.parse.urlunsplit(parts)
-
-
-# ---------------------------------------------------------------- HTTP
-
-class ChatClient:
-    """An OpenAI-compatible server through one pooled ``httpx`` client (keep-alive
-    connections, up to ``max_connections`` at once, the timeout on every request).
-    Thread-safe. Status codes, timeouts and dropped connections are mapped to Transient
-    (retried by :func:`call_with_retries`, whose policy and counts are this stage's) or
-    PromptFailed (any other 4xx)."""
-
-    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_connections: int = 16):
-        import httpx
-
-        base = base_url.rstrip("/")
-        self.base = base[:-3] if base.endswith("/v1") else base
-        self.timeout = timeout
-        headers = {"Accept": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout,
-                                  limits=httpx.Limits(max_connections=max_connections,
-                                                      max_keepalive_connections=max_connections))
-        self._lock = threading.Lock()
-        self.requests = 0
-
-    def _request(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        """The JSON answer; raises Transient or PromptFailed (other 4xx)."""
-        import httpx
-
-        with self._lock:
-            self.requests += 1
-        seconds = timeout or self.timeout
-        try:
-            response = (self._http.post(path, json=body, timeout=seconds) if body is not None
-                        else self._http.get(path, timeout=seconds))
-        except httpx.TimeoutException as error:
-            raise Transient(f"timeout after {seconds:.0f}s on {path}") from error
-        except httpx.TransportError as error:
-            raise Transient(f"connection failed on {path}: {error}") from error
-        if response.status_code >= 400:
-            detail = response.text[:300].strip()
-            reason = (f"HTTP {response.status_code} from {path}: {detail}" if detail
-                      else f"HTTP {response.status_code} from {path}")
-            if response.status_code in RETRYABLE_STATUS:
-                raise Transient(reason, _retry_after(response.headers.get("Retry-After")))
-            raise PromptFailed(reason)
-        try:
-            return response.json()
-        except ValueError as error:  # a 200 whose body is not JSON
-            raise Transient(f"invalid JSON from {path}: {error}") from error
-
-    def models(self) -> list[str]:
-        return [m["id"] for m in self._request("/v1/models", timeout=30).get("data", [])]
-
-    def chat(self, body: dict) -> dict:
-        return self._request("/v1/chat/completions", body)
-
-    def close(self) -> None:
-        self._http.close()
-
-
-def _retry_after(value: str | None) -> float | None:
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None  # an HTTP date: fall back to our own backoff
 
 
 def check_server(client: ChatClient, model: str | None, url: str, api_key_env: str) -> str:
@@ -233,8 +135,6 @@ def assistant_message(message: dict, form: str) -> dict:
     else:
         kept = {"role": "assistant", "content": f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"}
     if message.get("tool_calls"):
-        from eagle3flow.data.dataset import tool_calls_for_templates
-
         kept["tool_calls"] = tool_calls_for_templates(message["tool_calls"], "the answer")
     return kept
 
@@ -273,26 +173,6 @@ class Settings:
 
     def __init__(self, cfg: dict, model: str, form: str, template_kwargs: dict):
         self.cfg, self.model, self.form, self.template_kwargs = cfg, model, form, template_kwargs
-
-
-def call_with_retries(client: ChatClient, body: dict, cfg: dict, stop: threading.Event,
-                      counters: dict, lock: threading.Lock) -> dict:
-    """The server's answer; Transient errors retried with exponential backoff + jitter."""
-    attempt = 0
-    while True:
-        try:
-            return client.chat(body)
-        except Transient as error:
-            if attempt >= cfg["max_retries"] or stop.is_set():
-                raise PromptFailed(f"{error.reason} (after {attempt + 1} attempts)") from None
-            delay = min(cfg["max_backoff_s"], cfg["backoff_s"] * 2 ** attempt)
-            delay = delay * (0.5 + random.random() / 2)
-            if error.retry_after is not None:
-                delay = max(delay, min(error.retry_after, cfg["max_backoff_s"]))
-            with lock:
-                counters["retries"] += 1
-            attempt += 1
-            stop.wait(delay)
 
 
 def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, messages: list[dict],
@@ -549,94 +429,6 @@ def _write_outputs(conversations, entries: dict, failures: list[dict], out_dir: 
     return stats
 
 
-# ---------------------------------------------------------------- a server of our own
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (even by SIGKILL),
-    so a killed stage never leaves a server behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@contextmanager
-def serve_target(target: str | Path, log_path: str | Path, python: str | None = None,
-                 max_model_len: int = 2048, startup_timeout_s: float = 600.0, port: int | None = None):
-    """Run a vLLM OpenAI server of ``target`` on 127.0.0.1; yield its base URL.
-
-    The server is this process's child (its own process group, SIGTERM if we die) and
-    is stopped on exit: SIGTERM to the group, SIGKILL after 30 s.
-    """
-    port = port or free_port()
-    command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(target), "--served-model-name", SERVED_NAME,
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-               "--seed", "0", "--enforce-eager", "--disable-uvicorn-access-log"]
-    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")
-    url = f"http://127.0.0.1:{port}"
-    print(f"regenerate: starting a vLLM server of {target} at {url} (log: {log_path})",
-          file=sys.stderr, flush=True)
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
-    try:
-        t0, deadline = time.monotonic(), time.monotonic() + startup_timeout_s
-        while not _healthy(url):
-            if proc.poll() is not None:
-                raise RegenerateError(f"the vLLM server of {target} exited with code {proc.returncode} "
-                                      f"before it was healthy; last lines of {log_path}:\n"
-                                      + _tail(log_path))
-            if time.monotonic() > deadline:
-                raise RegenerateError(f"the vLLM server of {target} was not healthy after "
-                                      f"{startup_timeout_s:.0f}s; see {log_path}")
-            time.sleep(0.5)
-        print(f"regenerate: server healthy after {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
-        yield url
-    finally:
-        stop_server(proc)
-        log.close()
-
-
-def stop_server(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-    try:  # engine processes left in the group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _tail(path, lines: int = 20) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 # ---------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
@@ -657,8 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         cfg = _resolve(args.config_json)
-        from eagle3flow.data.dataset import iter_conversations
-
         conversations, bad = [], []
         for sid, messages in iter_conversations(args.input, args.format, seed=args.seed,
                                                 max_samples=args.max_samples or None):
@@ -673,13 +463,14 @@ def main(argv: list[str] | None = None) -> int:
         base_url = cfg["base_url"] or os.environ.get(URL_ENV)
         if args.serve_target and not base_url:
             with serve_target(args.serve_target, args.server_log, args.vllm_python,
-                              cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"]) as url:
+                              cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"],
+                              log_tag="regenerate") as url:
                 regenerate(conversations, args.out_dir, args.cache_root, url, cfg, **kwargs)
         elif base_url:
             regenerate(conversations, args.out_dir, args.cache_root, base_url, cfg, **kwargs)
         else:
             raise RegenerateError(f"no server to ask: set regenerate.base_url (or ${URL_ENV})")
-    except (RegenerateError, ValueError, OSError) as error:
+    except (RegenerateError, ServerError, ValueError, OSError) as error:
         print(f"regenerate: error: {error}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle3flow.data.samples import LENGTH_POLICIES
+
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask", "num_tokens")
-LENGTH_POLICIES = ("truncate", "drop")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from eagle3flow.atomic import write_json
 from eagle3flow.extract import shards
 from eagle3flow.extract import vllm as vllm_backend
 from eagle3flow.extract.cache import HASH_THREADS
-from eagle3flow.extract.dataset_scan import LENGTH_POLICIES
+from eagle3flow.data.samples import LENGTH_POLICIES
 from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extraction,
                                            check_disk_room, log, prepare, shards_to_compute)
 from eagle3flow.extract.shard_plan import ShardPlan

@@ -41,6 +41,7 @@ from safetensors import safe_open
 
 from eagle3flow.atomic import replacing, write_json
 from eagle3flow.extract.throughput import merge_throughput_logs, throughput_path
+from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 
 # The shard format's name predates the package layout; renaming it would invalidate every cache.
 FORMAT = "eagle3flow.hidden_states.v1"
@@ -334,10 +335,6 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a hidden-state manifest of format {FORMAT}")
     return Manifest(path, data)
-
-
-# Summed over partitions; every other key must agree between them.
-SUMMED_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "truncated_samples", "dropped_samples")
 
 
 def merge_manifests(parts: list[dict], where: list[str] | None = None) -> dict:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
+from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 
 CHAIN_FILE = "chain.json"
 
@@ -293,9 +294,6 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
     log(f"link {link + 1}/{chain.links} consumed in {time.time() - t0:.0f}s: step {state['step']}, "
         f"{len(manifest['shards'])} shards deleted, {freed / 1e6:,.1f} MB freed -> {marker}")
     return state
-
-
-SUMMED_KEYS = ("num_samples", "num_tokens", "num_loss_tokens", "truncated_samples", "dropped_samples")
 
 
 def record_manifest(markers: list[Path], out: Path) -> dict:

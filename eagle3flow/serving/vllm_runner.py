@@ -54,6 +54,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
+from eagle3flow.progress import Progress
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -241,6 +242,8 @@ def generate(request: dict) -> dict:
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
     if on_cpu:
+        # Here, not at the top: target.weights imports torch, and this module imports
+        # only the standard library until it runs an engine (see the docstring).
         from eagle3flow.target.weights import load_target_config
 
         kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
@@ -277,7 +280,6 @@ def generate(request: dict) -> dict:
     # spec-decode counts are subtracted below.
     llm.generate(first, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    from eagle3flow.progress import Progress
     progress = Progress("vllm[" + ("eagle3" if spec else "baseline") + "]",
                         total=sum(_num_generations(s) for s in sets), unit="generations")
     set_results = []
