@@ -35,9 +35,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-from eagle3flow.ops.procfs import start_ticks
+from eagle3flow.ops.procfs import live_group_members, start_ticks
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long the stage's group may take to exit after its main process did (or after a
@@ -139,16 +138,7 @@ def _group_alive(pgid: int, but: int | None = None) -> bool:
         return False
     except PermissionError:
         return True
-    # Zombies still count for killpg; a group made only of zombies has ended.
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != but:
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                return True
-    return False
+    return any(pid != but for pid in live_group_members(pgid))
 
 
 def stage_environment(gpus: int, base: dict | None = None) -> dict:

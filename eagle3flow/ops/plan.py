@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
+from eagle3flow.ops.procfs import is_zombie
 
 # `python -m eagle3flow.ops.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
@@ -1142,11 +1143,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie (our parent exited but was not reaped) is dead too.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    return not is_zombie(pid)
 
 
 def start_sampler(paths: list[str], out: Path, pid: int, interval: float, log: Path) -> subprocess.Popen:

@@ -52,10 +52,9 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_text
 from eagle3flow.config import schema_defaults
-from eagle3flow.ops.gpu_holders import (GpuQueryError, children_of, describe_process,
-                                    gpu_memory_used, gpu_processes, process_start_ticks)
-from eagle3flow.ops.procfs import (boot_id, boot_time, environ, pid_namespace, pids_with_env,
-                               verdict)
+from eagle3flow.ops.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
+from eagle3flow.ops.procfs import (boot_id, boot_time, descendants, environ, pid_namespace, pids_with_env,
+                                   start_ticks as process_start_ticks, verdict)
 from eagle3flow.ops.gpu_env import drain_refusal
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
@@ -240,7 +239,7 @@ def unit_pids(settings: dict, properties: dict | None = None) -> set[int]:
             return pids
     # No readable cgroup (cgroup v1 layouts): MainPID and its descendants.
     main_pid = int(properties.get("MainPID") or 0)
-    return children_of(main_pid) if main_pid > 0 else pids
+    return descendants(main_pid) if main_pid > 0 else pids
 
 
 def _require_unit(settings: dict) -> dict:

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_text
-from eagle3flow.ops.procfs import ancestor_chain, environ, identity, pids_with_env, start_ticks, verdict
+from eagle3flow.ops.procfs import (ancestor_chain, cmdline, cwd, environ, identity, pids, pids_with_env,
+                                   start_ticks, verdict)
 
 RUN_ENV = "EAGLE3FLOW_RUN"    # eagle3flow.ops.service.RUN_ENV (not imported: that module is larger)
 JOB_ENV = "EAGLE3FLOW_JOB"    # eagle3flow.ops.service.JOB_ENV: "<stage wrapper pid>:<its start ticks>"
@@ -90,19 +91,8 @@ def live_snakemake_pids(workdir: str | os.PathLike) -> list[int]:
     to keep a lock, whatever its record says."""
     workdir = os.path.realpath(workdir)
     mine = set(ancestor_chain(os.getpid()))
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in mine:
-            continue
-        try:
-            if os.path.realpath(entry / "cwd") != workdir:
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "snakemake" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid in pids() if pid not in mine and cwd(pid) == workdir
+            and "snakemake" in (cmdline(pid) or "")]
 
 
 def _dying(pid: int) -> bool:
