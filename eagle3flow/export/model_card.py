@@ -24,6 +24,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_text
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
+from eagle3flow.target.config import read_config_file
 
 
 def _num(x, spec=".3f") -> str:
@@ -129,7 +130,7 @@ def base_model_name(target: str, configured: str | None) -> str:
     if configured:
         return configured
     try:
-        config = json.loads((Path(target) / "config.json").read_text())
+        config = read_config_file(target)
     except (OSError, ValueError):
         config = {}
     name = config.get("_name_or_path") or ""

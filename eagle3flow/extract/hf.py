@@ -46,6 +46,7 @@ from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
+from eagle3flow.target.config import load_target_config
 
 # Bump when the way shards are computed changes, so old caches are not reused.
 EXTRACTOR_VERSION = 1
@@ -119,10 +120,6 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 # ----------------------------------------------------------------------------- target
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def read_target_config(target_path: str | os.PathLike) -> dict:
     """The target's config.json (its text part when nested); checks that weights are there."""
     target = Path(target_path)
@@ -132,8 +129,7 @@ def read_target_config(target_path: str | os.PathLike) -> dict:
     if not weight_files(target):
         raise FileNotFoundError(
             f"{target}: no weight files (*{', *'.join(WEIGHT_SUFFIXES)}); is the download complete?")
-    with open(config_file) as f:
-        text = _text_config(json.load(f))
+    text = load_target_config(target)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise ValueError(f"{config_file}: no '{key}' (nor text_config.{key})")

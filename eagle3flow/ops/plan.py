@@ -53,6 +53,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.ops.procfs import is_zombie
+from eagle3flow.target.config import load_target_config
 
 # `python -m eagle3flow.ops.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
@@ -284,13 +285,7 @@ def target_config(config: dict, root: Path) -> tuple[dict, str]:
         target_dir = root / target_dir
     cfg_file = target_dir / "config.json"
     if cfg_file.is_file():
-        with open(cfg_file) as f:
-            cfg = json.load(f)
-        text = dict(cfg.get("text_config") or cfg)
-        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
-            if key not in text and key in cfg:
-                text[key] = cfg[key]
-        return text, str(cfg_file)
+        return load_target_config(target_dir), str(cfg_file)
     if path:
         raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
                                 "target's hidden size and layer count")

@@ -241,7 +241,7 @@ def generate(request: dict) -> dict:
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
     if on_cpu:
-        from eagle3flow.target.weights import load_target_config
+        from eagle3flow.target.config import load_target_config
 
         kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
                                                            str(request["dtype"])).items()
