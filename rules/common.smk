@@ -13,7 +13,7 @@ RUNS_JOBS = workflow.is_main_process and runs_jobs()
 RUN_ENV = "EAGLE3FLOW_RUN"
 RUN_ID = None
 if RUNS_JOBS:
-    from eagle3flow.ops.service import run_id_of
+    from eagle3flow.ops.drain_state import run_id_of
 
     RUN_ID = run_id_of(os.getpid())
     # A rerun after a kill on this host continues instead of asking for --unlock, when

@@ -55,6 +55,13 @@ def start_ticks(pid: int) -> int | None:
     return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
+def running(pid: int | None, recorded_start: int | None = None) -> bool:
+    """Whether ``pid`` runs and is the process that started at ``recorded_start`` clock
+    ticks (any process with that pid, when None): never a reused pid."""
+    now = start_ticks(pid) if pid is not None else None
+    return now is not None and (recorded_start is None or now == recorded_start)
+
+
 def is_zombie(pid: int) -> bool:
     """Whether ``pid`` has ended and only its parent's wait() is missing."""
     fields = stat_fields(pid)

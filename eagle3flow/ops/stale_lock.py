@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_text
-from eagle3flow.ops.procfs import (ancestor_chain, cmdline, cwd, environ, identity, pids, pids_with_env,
-                                   start_ticks, verdict)
+from eagle3flow.ops.drain_state import RUN_ENV, wrapper_gone
+from eagle3flow.ops.procfs import ancestor_chain, cmdline, cwd, identity, pids, pids_with_env, verdict
 
-RUN_ENV = "EAGLE3FLOW_RUN"    # eagle3flow.ops.service.RUN_ENV (not imported: that module is larger)
-JOB_ENV = "EAGLE3FLOW_JOB"    # eagle3flow.ops.service.JOB_ENV: "<stage wrapper pid>:<its start ticks>"
 # A rerun right after a SIGKILL of the whole run finds the GPU stages still exiting (their
 # wrapper died; they got SIGTERM from it: eagle3flow/ops/gpu_stage.py): wait this long for them.
 DYING_GRACE_S = 30.0
@@ -95,16 +93,6 @@ def live_snakemake_pids(workdir: str | os.PathLike) -> list[int]:
             and "snakemake" in (cmdline(pid) or "")]
 
 
-def _dying(pid: int) -> bool:
-    """A process of a GPU stage whose wrapper is gone: it was sent SIGTERM when the wrapper
-    died and is exiting (nobody would take its outputs)."""
-    wrapper, _, ticks = ((environ(pid) or {}).get(JOB_ENV) or "").partition(":")
-    if not wrapper.isdigit():
-        return False
-    started = start_ticks(int(wrapper))
-    return started is None or (ticks.isdigit() and started != int(ticks))
-
-
 def _jobs_left(run_id: str, grace_s: float = DYING_GRACE_S) -> list[int]:
     """Processes of run ``run_id`` still alive, after waiting up to ``grace_s`` while all of
     them are stages of killed jobs that are exiting (an orphaned job whose wrapper lives,
@@ -112,7 +100,7 @@ def _jobs_left(run_id: str, grace_s: float = DYING_GRACE_S) -> list[int]:
     deadline = time.monotonic() + grace_s
     while True:
         jobs = pids_with_env(RUN_ENV, run_id)
-        if not jobs or not all(_dying(p) for p in jobs) or time.monotonic() > deadline:
+        if not jobs or not all(wrapper_gone(p) for p in jobs) or time.monotonic() > deadline:
             return jobs
         time.sleep(0.2)
 
