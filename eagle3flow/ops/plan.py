@@ -54,6 +54,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 from eagle3flow.ops.procfs import is_zombie
 from eagle3flow.target.config import load_target_config
+from eagle3flow.target.shapes import SHAPES
 
 # `python -m eagle3flow.ops.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
@@ -276,7 +277,7 @@ def parse_bytes(value) -> int | None:
 
 def target_config(config: dict, root: Path) -> tuple[dict, str]:
     """The target's text config and where it came from (a built-in target's shape before
-    it is built: eagle3flow/embedded/build.py, eagle3flow/target/shapes.py)."""
+    it is built: eagle3flow/target/shapes.py)."""
     path = config["target"]["path"]
     builtin = (config["target"].get("builtin") or "embedded") if not path else None
     default_dir = {"embedded": "embedded/target", "smollm2-135m": "pretrained/target"}.get(builtin, "embedded/target")
@@ -289,12 +290,7 @@ def target_config(config: dict, root: Path) -> tuple[dict, str]:
     if path:
         raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
                                 "target's hidden size and layer count")
-    if builtin != "embedded":
-        from eagle3flow.target.shapes import SHAPES
-        return dict(SHAPES[builtin]), f"{builtin} shape"
-    from eagle3flow.embedded.build import TargetShape  # light: no torch at import
-    shape = asdict(TargetShape())
-    return {**shape, "tie_word_embeddings": False, "torch_dtype": "float32"}, "embedded shape"
+    return dict(SHAPES[builtin]), f"{builtin} shape"
 
 
 def _sample_jsonl(path: Path) -> dict | None:
