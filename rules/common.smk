@@ -13,7 +13,7 @@ from eagle3flow import config as config_lib
 from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
-from eagle3flow.ops.service import DRAINED_STAGES, run_id_of
+from eagle3flow.ops.drain_state import DRAINED_STAGES, run_id_of
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change

@@ -25,7 +25,7 @@ def drained_stage_inputs(wildcards):
 def write_drain_plan():
     """onstart: record the run and which drained stages it will run, so that a stage's
     end knows whether the GPUs are needed again or the unit can come back."""
-    from eagle3flow.ops.service import write_plan
+    from eagle3flow.ops.drain_state import write_plan
 
     # One entry per job: streaming alternates extraction and training jobs.
     stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
@@ -34,7 +34,8 @@ def write_drain_plan():
 
 def restore_service(reason):
     """onsuccess/onerror: bring the unit back if this run left it drained."""
-    from eagle3flow.ops.service import ServiceError, restore_if_drained
+    from eagle3flow.ops.drain_cycle import restore_if_drained
+    from eagle3flow.ops.drain_state import ServiceError
 
     for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
         os.remove(flag)
@@ -48,7 +49,7 @@ def restore_service(reason):
 
 def print_downtime():
     """The run's drain/restore cycles, for the summary at the end of the run."""
-    from eagle3flow.ops.service import run_summary
+    from eagle3flow.ops.drain_state import run_summary
 
     if not DRAIN["enabled"]:
         return
@@ -62,7 +63,7 @@ def drop_stale_drain_flags():
     a dead run must not let a GPU stage start on a running service (the stage wrapper
     refuses then anyway). Only a run does this, and only when no live run holds the
     session: a dry run or a second terminal changes nothing."""
-    from eagle3flow.ops.service import ServiceError, State, session_verdict
+    from eagle3flow.ops.drain_state import ServiceError, State, session_verdict
 
     flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
     if not flags:

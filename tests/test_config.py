@@ -16,7 +16,7 @@ def schema() -> dict:
 def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.eval.evaluate import EVAL_DEFAULTS, evaluate
     from eagle3flow.data.regenerate import DEFAULTS
-    from eagle3flow.ops.service import DEFAULTS as DRAIN_DEFAULTS
+    from eagle3flow.ops.drain_state import DEFAULTS as DRAIN_DEFAULTS
     from eagle3flow.train.trainer import TRAIN_DEFAULTS, resolve_train_config
 
     sections = schema()["properties"]

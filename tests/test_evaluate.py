@@ -154,7 +154,7 @@ def export_random_draft(target: Path, out_dir: Path, draft_tokens: list[int] | N
     from eagle3flow.model.draft import DraftConfig, Eagle3Draft
     from eagle3flow.export.checkpoint import export_draft
     from eagle3flow.layers import default_aux_layer_ids
-    from eagle3flow.target.weights import load_target_config
+    from eagle3flow.target.config import load_target_config
     from eagle3flow.data.vocab import vocab_maps
 
     config = load_target_config(target)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3flow.model.draft import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
 from eagle3flow.export.checkpoint import export_draft
-from eagle3flow.target.weights import load_target_config, load_target_head
+from eagle3flow.target.config import load_target_config
+from eagle3flow.target.weights import load_target_head
 from eagle3flow.train.trainer import build_draft, load_vocab_map
 from support.builders import make_hidden_states, make_random_vocab_map, make_vocab_map, save_train_dir
 

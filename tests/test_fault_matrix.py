@@ -528,12 +528,12 @@ def resolved(sc: Scenario, **extra) -> dict:
     tiny config, the schema's defaults)."""
     from snakemake.utils import validate
 
-    from eagle3flow.ops.service import _deep_merge
+    from eagle3flow.ops.service import deep_merge
 
     merged = {}
     for path in (sc.workdir / "config.yaml", sc.workdir / "profiles" / "local-8gpu" / "workflow.yaml", sc.config):
-        merged = _deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
-    merged = _deep_merge(merged, extra)
+        merged = deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
+    merged = deep_merge(merged, extra)
     validate(merged, str(REPO / "schemas" / "config.schema.yaml"), set_default=True)
     return merged
 
@@ -643,12 +643,12 @@ def variant_config(workdir: Path, profile: str, variant: str) -> dict:
         base = yaml.safe_load((workdir / "profiles" / profile / "workflow.yaml").read_text()) or {}
         from snakemake.utils import validate
 
-        from eagle3flow.ops.service import _deep_merge
-        cfg = _deep_merge(_deep_merge(yaml.safe_load((workdir / "config.yaml").read_text()), base), extra)
+        from eagle3flow.ops.service import deep_merge
+        cfg = deep_merge(deep_merge(yaml.safe_load((workdir / "config.yaml").read_text()), base), extra)
         if profile == "embedded-regenerate":
-            cfg = _deep_merge(cfg, yaml.safe_load((workdir / "profiles" / "embedded" / "workflow.yaml").read_text()))
-            cfg = _deep_merge(cfg, base)
-            cfg = _deep_merge(cfg, extra)
+            cfg = deep_merge(cfg, yaml.safe_load((workdir / "profiles" / "embedded" / "workflow.yaml").read_text()))
+            cfg = deep_merge(cfg, base)
+            cfg = deep_merge(cfg, extra)
         validate(cfg, str(REPO / "schemas" / "config.schema.yaml"), set_default=True)
         plan = plan_lib.project(cfg, workdir)
         extract = next(s.bytes for s in plan.stages if s.name == "extract")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3flow.export.sglang_contract import sglang_problems
-from eagle3flow.target.weights import load_target_config
+from eagle3flow.target.config import load_target_config
 from support.builders import export_untrained_draft
 from support.tiny_targets import make_tiny_deepseek_v3
 

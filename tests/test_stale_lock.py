@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.ops.gpu_holders import process_start_ticks
+from eagle3flow.ops.procfs import start_ticks as process_start_ticks
 from eagle3flow.ops.stale_lock import clear_stale_lock
 
 

@@ -101,7 +101,8 @@ def test_cache_group_found_by_layer_name():
 
 def test_tiny_deepseek_layouts(tmp_path):
     """Flat, nested (Kimi-K2.5 style) and sharded: the same tensors, found by name."""
-    from eagle3flow.target.weights import load_target_config, load_target_head
+    from eagle3flow.target.config import load_target_config
+    from eagle3flow.target.weights import load_target_head
 
     t0 = time.monotonic()
     flat = make_tiny_deepseek_v3(tmp_path / "flat", seed=3)
@@ -257,7 +258,7 @@ def test_exported_layer_ids_are_what_vllm_captures(vllm_runs):
     from transformers import AutoModelForCausalLM
 
     from eagle3flow.model.draft import DraftConfig
-    from eagle3flow.target.weights import load_target_config
+    from eagle3flow.target.config import load_target_config
 
     for name, run in vllm_runs.items():
         manifest = shards.load_manifest(run.work / "vllm" / "eval" / "manifest.json")

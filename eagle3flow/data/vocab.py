@@ -10,7 +10,6 @@ write the two maps vLLM and SGLang read (docs/formats.md)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -22,16 +21,14 @@ from safetensors.torch import save_file
 
 from eagle3flow.progress import Progress
 from eagle3flow.atomic import replacing, write_json
+from eagle3flow.target.config import load_target_config
 
 
 def target_vocab_size(target_path: str | os.PathLike) -> int:
     """``vocab_size`` from the target's config.json (``text_config.vocab_size`` when nested)."""
-    config_file = Path(target_path) / "config.json"
-    with open(config_file) as f:
-        config = json.load(f)
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    size = load_target_config(target_path).get("vocab_size")
     if not size:
-        raise ValueError(f"{config_file}: no vocab_size (nor text_config.vocab_size)")
+        raise ValueError(f"{Path(target_path) / 'config.json'}: no vocab_size (nor text_config.vocab_size)")
     return int(size)
 
 

@@ -31,22 +31,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
 from eagle3flow.atomic import replacing, write_text
 from eagle3flow.embedded.corpus import build_corpus, read_conversations
 from eagle3flow.embedded.tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
 from eagle3flow.progress import Progress
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """The architecture; head_dim 32 is one vLLM's CPU attention supports."""
-    vocab_size: int = 4096
-    hidden_size: int = 192
-    intermediate_size: int = 512
-    num_hidden_layers: int = 8  # >= 8 so EAGLE-3's aux ids [2, N//2, N-3] are distinct
-    num_attention_heads: int = 6
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
+from eagle3flow.target.shapes import TargetShape
 
 
 @dataclass(frozen=True)
@@ -64,8 +56,6 @@ class TrainOptions:
 
 
 def build_config(shape: TargetShape, tokenizer):
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
@@ -83,8 +73,6 @@ def pack_blocks(tokenizer, conversations: list[dict], block_size: int, seed: int
     Returns int64 ``[num_blocks, block_size]``; the ragged tail is dropped. Each
     conversation starts with ``<|begin_of_text|>``, which marks the boundaries.
     """
-    import torch
-
     order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(seed))
     stream: list[int] = []
     for index in order.tolist():
@@ -99,8 +87,6 @@ def pack_blocks(tokenizer, conversations: list[dict], block_size: int, seed: int
 def batch_indices(step: int, num_blocks: int, batch_size: int, seed: int):
     """Block rows for ``step``: epochs of seeded permutations, a pure function of ``step``
     (so a resumed run sees exactly the batches an uninterrupted one would)."""
-    import torch
-
     start = step * batch_size
     rows = []
     while len(rows) < batch_size:
@@ -121,8 +107,6 @@ def lr_at(step: int, options: TrainOptions) -> float:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    import torch
-
     with replacing(path) as tmp:
         torch.save(obj, tmp)
 
@@ -133,9 +117,6 @@ def train_model(config, blocks, options: TrainOptions, work_dir: Path):
     ``blocks``: int64 ``[num_blocks, block_size]``. Loss is next-token cross-entropy
     over every token (the model must learn the chat format as well as the answers).
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(options.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -181,8 +162,6 @@ def train_model(config, blocks, options: TrainOptions, work_dir: Path):
 
 
 def _fingerprint(shape: TargetShape, options: TrainOptions, corpus_sha: str) -> str:
-    import torch
-
     text = json.dumps({"shape": asdict(shape), "options": asdict(options), "corpus": corpus_sha,
                        "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -202,9 +181,6 @@ def _replace_dir(new: Path, final: Path) -> None:
 def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
                    shape: TargetShape = TargetShape(), threads: int | None = None) -> dict:
     """Build ``out_dir/{conversations.jsonl, target/, build_stats.json}``; return the stats."""
-    import torch
-    from transformers import GenerationConfig
-
     t0, cpu0 = time.monotonic(), time.process_time()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     out_dir = Path(out_dir)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
 BOS = "<|begin_of_text|>"
 EOS_TEXT = "<|end_of_text|>"
 START_HEADER = "<|start_header_id|>"
@@ -54,9 +57,6 @@ def _training_texts(conversations: list[dict]):
 
 def train_tokenizer(conversations: list[dict], vocab_size: int = 4096):
     """A ``PreTrainedTokenizerFast`` (vocab ``vocab_size`` incl. specials) fit on the corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()

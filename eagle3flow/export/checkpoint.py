@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from eagle3flow.atomic import replacing, write_json
 from eagle3flow.model.draft import DraftConfig, exported_param_names
 from eagle3flow.export.sglang_contract import sglang_problems
-from eagle3flow.target.weights import load_target_config, target_dtype
+from eagle3flow.target.config import load_target_config, read_config_file
+from eagle3flow.target.weights import target_dtype
 from eagle3flow.train.trainer import load_vocab_map
 
 
@@ -56,9 +57,10 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
         tensors["d2t"] = d2t.contiguous()
         tensors["t2d"] = t2d.contiguous()
     if fmt == "speculators":
-        target_config = json.loads((Path(target_path) / "config.json").read_text())
-        config = cfg.to_speculators_config(str(Path(target_path).resolve()),
-                                           target_config.get("architectures") or [], speculative_tokens)
+        # the verifier vLLM loads is the whole target: the wrapper's architectures, not its text model's
+        verifier_architectures = read_config_file(target_path).get("architectures") or []
+        config = cfg.to_speculators_config(str(Path(target_path).resolve()), verifier_architectures,
+                                           speculative_tokens)
         tensors = {name.replace("midlayer.", "layers.0.", 1): t for name, t in tensors.items()}
     else:
         config = cfg.to_hf_config()

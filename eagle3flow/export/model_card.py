@@ -21,9 +21,12 @@ import json
 import os
 from pathlib import Path
 
+from safetensors import safe_open
+
 from eagle3flow.atomic import write_text
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
+from eagle3flow.target.config import read_config_file
 
 
 def _num(x, spec=".3f") -> str:
@@ -71,8 +74,6 @@ def evaluation_lines(summary: dict) -> list[str]:
 def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | None, train_eval: dict | None,
            base_model: str) -> str:
     config = json.loads((draft_dir / "config.json").read_text())
-    from safetensors import safe_open
-
     with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     ids = config["eagle_aux_hidden_state_layer_ids"]
@@ -129,7 +130,7 @@ def base_model_name(target: str, configured: str | None) -> str:
     if configured:
         return configured
     try:
-        config = json.loads((Path(target) / "config.json").read_text())
+        config = read_config_file(target)
     except (OSError, ValueError):
         config = {}
     name = config.get("_name_or_path") or ""

@@ -48,7 +48,7 @@ def publish(draft: Path, repo_id: str, token_env: str, private: bool, dry_run: b
     if dry_run:
         print("publish: dry run (hub.dry_run): nothing was uploaded", file=sys.stderr)
         return {**what, "dry_run": True}
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi    # only a real upload needs the Hub client
 
     api = HfApi(token=os.environ[token_env])
     api.create_repo(repo_id, private=private, exist_ok=True)

@@ -28,6 +28,7 @@ from eagle3flow.extract.dataset_scan import DatasetScan, iter_dataset, row_ids, 
 from eagle3flow.extract.shard_plan import ShardPlan, plan_partitions, plan_shards
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
+from eagle3flow.target.config import load_target_config
 
 # Bump when the way shards are computed changes, so old caches are not reused.
 EXTRACTOR_VERSION = 1
@@ -53,9 +54,7 @@ def read_target_config(target_path: str | os.PathLike) -> dict:
     if not weight_files(target):
         raise FileNotFoundError(
             f"{target}: no weight files (*{', *'.join(WEIGHT_SUFFIXES)}); is the download complete?")
-    with open(config_file) as f:
-        config = json.load(f)
-    text = config.get("text_config") or config
+    text = load_target_config(target)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise ValueError(f"{config_file}: no '{key}' (nor text_config.{key})")

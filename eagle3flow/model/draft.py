@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eagle3flow.model.kernels.ttt_attention import cache_tail_attention
+from eagle3flow.target.config import text_config
 
 EXPORTED_PARAM_NAMES = (
     "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -175,7 +176,7 @@ class DraftConfig:
         ``overrides`` replaces any field (``train.draft`` in config.yaml, e.g.
         ``{"intermediate_size": 1024}``), except ``hidden_size``, tied to the target.
         """
-        cfg = dict(target_config.get("text_config") or target_config)
+        cfg = text_config(target_config)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)

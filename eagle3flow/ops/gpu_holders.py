@@ -1,18 +1,17 @@
 """Who holds which GPU: nvidia-smi's compute apps, with each process's user and command.
 
-The drain (eagle3flow/ops/service.py) needs two answers before a GPU stage may load a
+The drain (eagle3flow/ops/drain_cycle.py) needs two answers before a GPU stage may load a
 model: is any process still using the GPUs the stage will use, and is the GPU
 memory back to idle. nvidia-smi is asked in its stable CSV query format, the same
 on every driver since 2015, so no NVML binding is needed in the environment.
 """
 from __future__ import annotations
 
-import os
 import pwd
 import subprocess
 from dataclasses import dataclass
 
-from eagle3flow.ops.procfs import start_ticks as process_start_ticks  # noqa: F401 (re-exported)
+from eagle3flow.ops.procfs import cmdline, owner_uid
 
 
 class GpuQueryError(RuntimeError):
@@ -73,37 +72,11 @@ def gpu_processes(nvidia_smi: str, gpu_indices: list[int] | None = None) -> list
 
 def describe_process(pid: int) -> str:
     """'pid 123 (user alice): python train.py' or a note that it cannot be seen from here."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except (OSError, StopIteration, ValueError):
+    uid, command = owner_uid(pid), cmdline(pid)
+    if uid is None or command is None:
         return f"pid {pid} (not visible from here: another pid namespace, e.g. a container)"
     try:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = str(uid)
-    return f"pid {pid} (user {user}): {cmdline or '[kernel thread]'}"
-
-
-def children_of(pid: int) -> set[int]:
-    """pid and all its descendants (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        if current in found:
-            continue
-        found.add(current)
-        todo.extend(parents.get(current, []))
-    return found
+    return f"pid {pid} (user {user}): {command or '[kernel thread]'}"

@@ -18,7 +18,7 @@
   SIGHUP are forwarded to the stage's whole group; the wrapper waits until every
   process of that group has exited (the GPUs are then the driver's again).
 * Its status is the child's real one (killed by signal n: 128 + n), handed to
-  eagle3flow.ops.service.stage_ended (which restores the unit after a failure or the run's
+  eagle3flow.ops.drain_cycle.stage_ended (which restores the unit after a failure or the run's
   last GPU stage) and returned as this job's exit status. A failed restore is reported
   loudly but never changes the job's status: the stage's outputs stay valid, and the
   kept session makes onsuccess/onerror, the watchdog or the operator retry.
@@ -35,9 +35,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-from eagle3flow.ops.procfs import start_ticks
+from eagle3flow.ops.drain_cycle import stage_ended
+from eagle3flow.ops.drain_state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command,
+                                        session_verdict, settings_of)
+from eagle3flow.ops.procfs import live_group_members, start_ticks
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long the stage's group may take to exit after its main process did (or after a
@@ -139,16 +141,7 @@ def _group_alive(pgid: int, but: int | None = None) -> bool:
         return False
     except PermissionError:
         return True
-    # Zombies still count for killpg; a group made only of zombies has ended.
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != but:
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                return True
-    return False
+    return any(pid != but for pid in live_group_members(pgid))
 
 
 def stage_environment(gpus: int, base: dict | None = None) -> dict:
@@ -162,8 +155,6 @@ def stage_environment(gpus: int, base: dict | None = None) -> dict:
 
 def drain_refusal(state_dir: str) -> str | None:
     """Why a drained stage must not start here, or None (the unit is drained for this live run)."""
-    from eagle3flow.ops.service import RUN_ENV, ServiceError, State, restore_command, session_verdict
-
     state = State(state_dir)
     token = os.environ.get(RUN_ENV)
     try:
@@ -184,7 +175,7 @@ def drain_refusal(state_dir: str) -> str | None:
 
 def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_path: str | None) -> int:
     tee = Tee(log_path)
-    sys.stderr = tee                            # this module's and eagle3flow.ops.service's messages
+    sys.stderr = tee                            # this module's and the drain's messages
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
     def say(message: str) -> None:
@@ -195,8 +186,6 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
         if refusal:
             say(f"{stage}: not started: {refusal}")
             return 1
-    from eagle3flow.ops.service import JOB_ENV
-
     env = stage_environment(gpus)
     env[JOB_ENV] = f"{os.getpid()}:{start_ticks(os.getpid())}"
     received: list[int] = []
@@ -250,8 +239,6 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
     if received:
         say(f"{stage}: received {signal.Signals(received[0]).name}; the stage exited with rc={rc}")
     if state_dir:
-        from eagle3flow.ops.service import ServiceError, State, settings_of, stage_ended
-
         state = State(state_dir)
         try:
             session = state.read(state.session)

@@ -37,6 +37,7 @@ def runs_jobs(argv: list[str] | None = None) -> bool:
     else:
         return False
     try:
+        # inside the try: a Snakemake whose parser cannot be imported is one more "cannot tell"
         from snakemake.cli import get_argument_parser
 
         parsed, _ = get_argument_parser().parse_known_args(args)

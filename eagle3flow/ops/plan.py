@@ -52,6 +52,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
+from eagle3flow.ops.procfs import is_zombie
+from eagle3flow.target.config import load_target_config
+from eagle3flow.target.shapes import SHAPES
 
 # `python -m eagle3flow.ops.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"
@@ -274,7 +277,7 @@ def parse_bytes(value) -> int | None:
 
 def target_config(config: dict, root: Path) -> tuple[dict, str]:
     """The target's text config and where it came from (a built-in target's shape before
-    it is built: eagle3flow/embedded/build.py, eagle3flow/target/shapes.py)."""
+    it is built: eagle3flow/target/shapes.py)."""
     path = config["target"]["path"]
     builtin = (config["target"].get("builtin") or "embedded") if not path else None
     default_dir = {"embedded": "embedded/target", "smollm2-135m": "pretrained/target"}.get(builtin, "embedded/target")
@@ -283,22 +286,11 @@ def target_config(config: dict, root: Path) -> tuple[dict, str]:
         target_dir = root / target_dir
     cfg_file = target_dir / "config.json"
     if cfg_file.is_file():
-        with open(cfg_file) as f:
-            cfg = json.load(f)
-        text = dict(cfg.get("text_config") or cfg)
-        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
-            if key not in text and key in cfg:
-                text[key] = cfg[key]
-        return text, str(cfg_file)
+        return load_target_config(target_dir), str(cfg_file)
     if path:
         raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
                                 "target's hidden size and layer count")
-    if builtin != "embedded":
-        from eagle3flow.target.shapes import SHAPES
-        return dict(SHAPES[builtin]), f"{builtin} shape"
-    from eagle3flow.embedded.build import TargetShape  # light: no torch at import
-    shape = asdict(TargetShape())
-    return {**shape, "tie_word_embeddings": False, "torch_dtype": "float32"}, "embedded shape"
+    return dict(SHAPES[builtin]), f"{builtin} shape"
 
 
 def _sample_jsonl(path: Path) -> dict | None:
@@ -1142,11 +1134,7 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie (our parent exited but was not reaped) is dead too.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    return not is_zombie(pid)
 
 
 def start_sampler(paths: list[str], out: Path, pid: int, interval: float, log: Path) -> subprocess.Popen:

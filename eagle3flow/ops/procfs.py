@@ -15,14 +15,28 @@ import time
 from pathlib import Path
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat`` from its third field on (man 5 proc): ``[state, ppid, pgrp,
+    session, ...]``, start time at index 19; None when it cannot be read (gone, another
+    pid namespace)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: the fields follow the last ')'
+    fields = text.rsplit(")", 1)[-1].split()
+    return fields if len(fields) > 19 else None
+
+
+def pids() -> list[int]:
+    """Every pid /proc lists now (zombies included)."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of ``pid``, or None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # the command name may hold spaces and parentheses: ppid follows the last ')'
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def ancestor_chain(pid: int) -> list[int]:
@@ -37,11 +51,73 @@ def ancestor_chain(pid: int) -> list[int]:
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (tells a pid from a reused
     one); None when it is gone (or a zombie: it has ended, only its parent's wait() is missing)."""
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
+
+
+def running(pid: int | None, recorded_start: int | None = None) -> bool:
+    """Whether ``pid`` runs and is the process that started at ``recorded_start`` clock
+    ticks (any process with that pid, when None): never a reused pid."""
+    now = start_ticks(pid) if pid is not None else None
+    return now is not None and (recorded_start is None or now == recorded_start)
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended and only its parent's wait() is missing."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] == "Z"
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of process group ``pgid`` that still run (zombies excluded: a group made
+    only of zombies has ended, although killpg still finds it)."""
+    members = []
+    for pid in pids():
+        fields = stat_fields(pid)
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(pid)
+    return members
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for child in pids():
+        parent = parent_pid(child)
+        if parent is not None:
+            children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo.extend(children.get(current, []))
+    return found
+
+
+def cmdline(pid: int) -> str | None:
+    """The command line, arguments joined by spaces ('' for a kernel thread); None when
+    it cannot be read."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, ValueError, IndexError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def owner_uid(pid: int) -> int | None:
+    """The real uid the process runs as; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def cwd(pid: int) -> str | None:
+    """The process's working directory (resolved); None when it cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
         return None
 
 
@@ -122,11 +198,5 @@ def environ(pid: int) -> dict[str, str] | None:
 def pids_with_env(name: str, value: str) -> list[int]:
     """Live processes (zombies excluded) started with ``name=value`` in their environment:
     inherited by every descendant, through reparenting and setsid."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        env = environ(int(entry))
-        if env is not None and env.get(name) == value and start_ticks(int(entry)) is not None:
-            found.append(int(entry))
-    return sorted(found)
+    return sorted(pid for pid in pids()
+                  if (environ(pid) or {}).get(name) == value and start_ticks(pid) is not None)

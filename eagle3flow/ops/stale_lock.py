@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_text
-from eagle3flow.ops.procfs import ancestor_chain, environ, identity, pids_with_env, start_ticks, verdict
+from eagle3flow.ops.drain_state import RUN_ENV, wrapper_gone
+from eagle3flow.ops.procfs import ancestor_chain, cmdline, cwd, identity, pids, pids_with_env, verdict
 
-RUN_ENV = "EAGLE3FLOW_RUN"    # eagle3flow.ops.service.RUN_ENV (not imported: that module is larger)
-JOB_ENV = "EAGLE3FLOW_JOB"    # eagle3flow.ops.service.JOB_ENV: "<stage wrapper pid>:<its start ticks>"
 # A rerun right after a SIGKILL of the whole run finds the GPU stages still exiting (their
 # wrapper died; they got SIGTERM from it: eagle3flow/ops/gpu_stage.py): wait this long for them.
 DYING_GRACE_S = 30.0
@@ -90,29 +89,8 @@ def live_snakemake_pids(workdir: str | os.PathLike) -> list[int]:
     to keep a lock, whatever its record says."""
     workdir = os.path.realpath(workdir)
     mine = set(ancestor_chain(os.getpid()))
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in mine:
-            continue
-        try:
-            if os.path.realpath(entry / "cwd") != workdir:
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "snakemake" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
-def _dying(pid: int) -> bool:
-    """A process of a GPU stage whose wrapper is gone: it was sent SIGTERM when the wrapper
-    died and is exiting (nobody would take its outputs)."""
-    wrapper, _, ticks = ((environ(pid) or {}).get(JOB_ENV) or "").partition(":")
-    if not wrapper.isdigit():
-        return False
-    started = start_ticks(int(wrapper))
-    return started is None or (ticks.isdigit() and started != int(ticks))
+    return [pid for pid in pids() if pid not in mine and cwd(pid) == workdir
+            and "snakemake" in (cmdline(pid) or "")]
 
 
 def _jobs_left(run_id: str, grace_s: float = DYING_GRACE_S) -> list[int]:
@@ -122,7 +100,7 @@ def _jobs_left(run_id: str, grace_s: float = DYING_GRACE_S) -> list[int]:
     deadline = time.monotonic() + grace_s
     while True:
         jobs = pids_with_env(RUN_ENV, run_id)
-        if not jobs or not all(_dying(p) for p in jobs) or time.monotonic() > deadline:
+        if not jobs or not all(wrapper_gone(p) for p in jobs) or time.monotonic() > deadline:
             return jobs
         time.sleep(0.2)
 

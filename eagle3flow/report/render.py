@@ -26,6 +26,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 from eagle3flow.report import plots
 from eagle3flow.atomic import write_json
 
@@ -225,8 +227,6 @@ def _kv_table(d: dict, table_id: str = "") -> str:
 
 
 def run_html(info: dict) -> str:
-    import yaml
-
     parts = [f"<html><head><meta charset='utf-8'>{STYLE}</head><body>", "<h2>Service downtime</h2>"]
     downtime = info["service_downtime"]
     if downtime is None:

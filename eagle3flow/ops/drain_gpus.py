@@ -1,0 +1,91 @@
+"""The drain's GPU checks: who holds the stage's GPUs, which of them are foreign, and
+killing exactly the foreign ones when the config allows it.
+
+A holder is ours when it is in the unit's cgroup, is this process, or carries the token
+of one of our runs (``$EAGLE3FLOW_RUN``, eagle3flow/ops/drain_state.py); every other one
+is foreign and is never killed unless ``drain.kill_foreign_gpu_processes`` is set.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from eagle3flow.ops.drain_state import RUN_ENV, ServiceError, log
+from eagle3flow.ops.gpu_holders import describe_process, gpu_memory_used, gpu_processes
+from eagle3flow.ops.procfs import environ, running, start_ticks
+from eagle3flow.ops.systemd_unit import unit_pids
+
+def of_runs(pid: int, run_ids) -> bool:
+    """Whether process ``pid`` carries one of these run tokens (a job of those runs)."""
+    token = (environ(pid) or {}).get(RUN_ENV)
+    return token is not None and token in [r for r in run_ids if r]
+
+
+def _foreign_holders(settings: dict, gpus: list[int], own_runs=()) -> list:
+    """GPU processes on `gpus` that are not in the unit's cgroup, not this process and not
+    a job of the runs `own_runs` (their token, read after the holders were listed: a job
+    that started in between is still the run's)."""
+    holders = gpu_processes(settings["nvidia_smi"], gpus)
+    ours = unit_pids(settings) | {os.getpid()}
+    return [p for p in holders if p.pid not in ours and not of_runs(p.pid, own_runs)]
+
+
+def describe_holders(holders, own_runs=()) -> str:
+    by_pid: dict[int, list[int]] = {}
+    for holder in holders:
+        by_pid.setdefault(holder.pid, []).append(holder.gpu_index)
+    return "\n".join(f"  GPU {','.join(map(str, sorted(indices)))}: {describe_process(pid)}"
+                     + (" [a job of this workflow's run]" if of_runs(pid, own_runs) else "")
+                     for pid, indices in sorted(by_pid.items()))
+
+
+def kill_only(pids: set[int], grace_s: float = 10.0, what: str = "foreign GPU process",
+              why: str = "drain.kill_foreign_gpu_processes") -> None:
+    """SIGTERM, then SIGKILL, exactly these processes (checked by start time: never a reused pid)."""
+    starts = {pid: start_ticks(pid) for pid in pids}
+    for pid, start in starts.items():
+        if start is not None:
+            log(f"killing {what} {describe_process(pid)} ({why})")
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(running(p, s) for p, s in starts.items() if s):
+        time.sleep(0.2)
+    for pid, start in starts.items():
+        if start is not None and running(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def handle_foreign(settings: dict, gpus: list[int], when: str, own_runs=()) -> None:
+    holders = _foreign_holders(settings, gpus, own_runs)
+    if not holders:
+        return
+    if not settings["kill_foreign_gpu_processes"]:
+        raise ServiceError(
+            f"{when}: processes outside {settings['unit']} hold GPUs this stage needs; they are not "
+            f"killed (set drain.kill_foreign_gpu_processes: true to allow it, or stop them):\n"
+            + describe_holders(holders))
+    kill_only({h.pid for h in holders})
+
+
+def gpus_busy(settings: dict, gpus: list[int]) -> tuple[list, list[int]]:
+    """(processes on `gpus`, GPUs whose memory is above idle)."""
+    memory = gpu_memory_used(settings["nvidia_smi"])
+    busy = [i for i in gpus if memory.get(i, ("", 0))[1] > settings["gpu_idle_memory_mib"]]
+    return gpu_processes(settings["nvidia_smi"], gpus), busy
+
+
+def wait_until(predicate, timeout_s: float, poll_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
