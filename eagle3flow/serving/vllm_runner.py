@@ -243,7 +243,6 @@ def generate(request: dict) -> dict:
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
     if on_cpu:
-
         kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
                                                            str(request["dtype"])).items()
                        if k != "enforce_eager"})
