@@ -23,7 +23,8 @@ TORCH_FREE = ("eagle3flow.ops", "eagle3flow.config", "eagle3flow.atomic", "eagle
               "eagle3flow.target.shapes")
 
 # The model is computation only: what it may import from the package.
-MODEL_MAY_IMPORT = ("eagle3flow.model", "eagle3flow.layers")
+# target.config: the draft config reads the target's (nested) config dict through it.
+MODEL_MAY_IMPORT = ("eagle3flow.model", "eagle3flow.layers", "eagle3flow.target.config")
 
 
 def module_name(path: Path) -> str:

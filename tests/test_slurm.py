@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3flow.data.regenerate import free_port
+from eagle3flow.serving.vllm_server import free_port
 from support.workflow import BIN, REPO, workflow_copy
 
 ETC_CONF = Path("/etc/slurm/slurm.conf")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from eagle3flow.data.vocab import target_vocab_size
-from eagle3flow.extract.hf import read_target_config
+from eagle3flow.extract.extraction import read_target_config
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.model.draft import DraftConfig
 from eagle3flow.ops import plan as plan_lib

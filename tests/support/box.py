@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle3flow.data.regenerate import free_port
+from eagle3flow.serving.vllm_server import free_port
 from support.processes import alive, live_session_members
 from support.workflow import BIN
 
