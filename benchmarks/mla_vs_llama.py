@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft
 
 KIMI_K25 = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
             "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,

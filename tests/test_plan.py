@@ -43,7 +43,8 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
 
     import torch
 
-    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
 
     target = json.loads((random_llama_target / "config.json").read_text())
     for overrides, draft_vocab in (({}, 128), ({"intermediate_size": 96}, 300)):

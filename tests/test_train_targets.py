@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from test_train import make_vocab_map
 
-from eagle3flow.model.draft import DraftConfig, rope_inv_freq
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import rope_inv_freq
 from eagle3flow.extract.hf import extract
 from eagle3flow.target.weights import load_target_head
 from eagle3flow.tiny_targets import make_tiny_deepseek_v3

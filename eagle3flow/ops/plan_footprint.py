@@ -1,7 +1,7 @@
 """What the run's artifacts weigh: bytes per token of hidden states, the draft's
 trainable parameters and checkpoint bytes, the target's parameters. Computed from the
 target's config dict and the workflow config, without torch (the formulas mirror
-eagle3flow/extract/shards.py and eagle3flow/model/draft.py; tests/test_plan.py checks
+eagle3flow/extract/shards.py and eagle3flow/model/{config,draft}.py; tests/test_plan.py checks
 them against the real draft)."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def hidden_state_bytes_per_token(aux: int, hidden: int, dtype: str) -> int:
 
 
 def draft_shape(target: dict, overrides: dict) -> dict:
-    """The draft's dimensions as DraftConfig.from_target_config derives them (eagle3flow/model/draft.py)."""
+    """The draft's dimensions as DraftConfig.from_target_config derives them (eagle3flow/model/config.py)."""
     hidden = int(target["hidden_size"])
     heads = int(target["num_attention_heads"])
     is_mla = "kv_lora_rank" in target or str(target.get("model_type", "")).startswith("deepseek")
@@ -80,7 +80,7 @@ def draft_param_counts(target: dict, aux: int, draft_vocab: int, overrides: dict
     overrides = overrides or {}
     architecture = overrides.get("architecture", "auto")
     is_mla_draft = architecture == "mla" or (architecture == "auto" and "kv_lora_rank" in target)
-    # draft_model.DEFAULT_FLAGS: a Llama draft has norm_before_fc, an MLA draft has not
+    # model.config.DEFAULT_FLAGS: a Llama draft has norm_before_fc, an MLA draft has not
     aux_norms = aux_width * (int(bool(overrides.get("norm_before_fc", not is_mla_draft)))
                              + int(bool(overrides.get("fc_norm", False))))
     return {"matrices": aux_width * h + attention + mlp, "rest": aux_norms + 4 * h + h * draft_vocab}
