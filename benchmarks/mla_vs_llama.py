@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft
 
 # The tiny DeepSeek-V3 builder is test support (tests/support/tiny_targets.py), not the package's.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

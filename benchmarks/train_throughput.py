@@ -51,7 +51,8 @@ from pathlib import Path
 import torch
 
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft
 from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
 from eagle3flow.train.loss import scored_rows, ttt_loss
 from eagle3flow.train.data import to_device

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pytest
 
-from eagle3flow.model.draft import DraftConfig
+from eagle3flow.model.config import DraftConfig
 from eagle3flow.layers import resolve_aux_layer_ids
 from support.workflow import snakemake, workflow_copy
 

@@ -126,7 +126,8 @@ def test_triton_soft_cross_entropy_matches_reference():
 def test_ttt_loss_bf16_fast_path_tracks_fp32():
     """ttt_loss under bf16 autocast (flash attention, Triton CE, folded weights) gives the loss
     and gradients of the float32 exact path, on packed samples of unequal lengths."""
-    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
     from eagle3flow.train.loss import ttt_loss
 
     cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft, PackedLayout
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft, PackedLayout
 
 
 def tiny_config(**kw) -> DraftConfig:

@@ -151,7 +151,8 @@ def export_random_draft(target: Path, out_dir: Path, draft_tokens: list[int] | N
     import numpy as np
     from safetensors.torch import save_file
 
-    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
     from eagle3flow.export.checkpoint import export_draft
     from eagle3flow.layers import default_aux_layer_ids
     from eagle3flow.target.config import load_target_config

@@ -13,7 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.model.draft import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
+from eagle3flow.model.config import EXPORTED_PARAM_NAMES, exported_param_names
+from eagle3flow.model.draft import Eagle3Draft
+from eagle3flow.model.load import load_exported_draft
 from eagle3flow.export.checkpoint import export_draft
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.weights import load_target_head
@@ -46,7 +48,7 @@ def test_export_roundtrip(random_llama_target, tmp_path):
     assert names == set(exported_param_names(model.config)) | {"d2t", "t2d"}
     assert names - set(EXPORTED_PARAM_NAMES) == {"input_norm.weight", "d2t", "t2d"}
     assert config["norm_before_fc"] is True and config["norm_output"] is True
-    loaded = Eagle3Draft.from_exported(out, random_llama_target)
+    loaded = load_exported_draft(out, random_llama_target)
     aux, ids, cu = torch.randn(20, 192), torch.randint(0, 512, (20,)), torch.tensor([0, 12, 20])
     with torch.no_grad():
         for a, b in zip(model.eval().forward_ttt(aux, ids, cu, 3)[0], loaded.forward_ttt(aux, ids, cu, 3)[0]):
@@ -210,7 +212,7 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
         assert "layers.0.self_attn.q_proj.weight" in set(f.keys())
     other = run_vllm({**req, "draft": str(spec_dir)})
     assert other["outputs"] == spec["outputs"] and other["metrics"] == spec["metrics"], (other["metrics"], m)
-    assert Eagle3Draft.from_exported(spec_dir, target).config == Eagle3Draft.from_exported(draft, target).config
+    assert load_exported_draft(spec_dir, target).config == load_exported_draft(draft, target).config
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft
 from eagle3flow.train.loss import _GatherRows, scored_rows, ttt_loss
 from eagle3flow.train.data import to_device
 

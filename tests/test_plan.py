@@ -21,8 +21,9 @@ from support.targets import make_chat_target
 from support.workflow import BIN, snakemake, snakemake_env, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
+from eagle3flow.ops import plan_footprint, plan_stages, plan_workload, sizes
 
-STAGE_NAMES = [name for name, *_ in plan_lib.STAGES]
+STAGE_NAMES = [name for name, *_ in plan_stages.STAGES]
 
 
 def resolved_config(**sections) -> dict:
@@ -42,7 +43,8 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
 
     import torch
 
-    from eagle3flow.model.draft import DraftConfig, Eagle3Draft
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
 
     target = json.loads((random_llama_target / "config.json").read_text())
     for overrides, draft_vocab in (({}, 128), ({"intermediate_size": 96}, 300)):
@@ -50,7 +52,7 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
         model = Eagle3Draft(cfg)
         trainable = [p for n, p in model.named_parameters() if p.requires_grad]
         real = sum(p.numel() for p in trainable)
-        assert plan_lib.draft_trainable_params(target, 3, draft_vocab, overrides) == real
+        assert plan_footprint.draft_trainable_params(target, 3, draft_vocab, overrides) == real
 
     # What train.py checkpoints: trainable weights and the optimizer state after a step,
     # for each optimizer it builds.
@@ -66,17 +68,17 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
         optimizer.step()
         buffer = io.BytesIO()
         torch.save({"model": {n: p.detach() for n, p in named}, "optimizer": optimizer.state_dict()}, buffer)
-        counts = plan_lib.draft_param_counts(target, 3, 300, {"intermediate_size": 96})
-        projected = plan_lib.draft_checkpoint_bytes(counts, name)
+        counts = plan_footprint.draft_param_counts(target, 3, 300, {"intermediate_size": 96})
+        projected = plan_footprint.draft_checkpoint_bytes(counts, name)
         assert abs(buffer.tell() - projected) / projected < 0.05, (name, buffer.tell(), projected)
 
 
 def test_parse_bytes_and_job_stats():
-    assert plan_lib.parse_bytes("1.5TiB") == int(1.5 * 1024 ** 4)
-    assert plan_lib.parse_bytes("500GB") == 500 * 10 ** 9
-    assert plan_lib.parse_bytes(123) == 123
+    assert sizes.parse_bytes("1.5TiB") == int(1.5 * 1024 ** 4)
+    assert sizes.parse_bytes("500GB") == 500 * 10 ** 9
+    assert sizes.parse_bytes(123) == 123
     with pytest.raises(ValueError, match="storage"):
-        plan_lib.parse_bytes("lots")
+        sizes.parse_bytes("lots")
     stats = "Job stats:\njob      count\n-----  -----\nprepare_dataset  1\nall  1\ntotal  2\n"
     assert plan_lib.parse_job_stats(stats) == {"prepare_dataset": 1, "all": 1}
 
@@ -122,7 +124,7 @@ def test_projected_peak_matches_measured_peak_within_10_percent(extraction_run):
     plan = json.loads((workdir / "results" / "plan" / "plan.json").read_text())
     peak = json.loads((workdir / "results" / "plan" / "disk_peak.json").read_text())
     measured = peak["peak_bytes"]
-    hidden = plan_lib.tree_bytes(workdir / "cache" / "hidden_states")
+    hidden = sizes.tree_bytes(workdir / "cache" / "hidden_states")
     assert hidden > 0.8 * measured                      # the hidden states are what counts
     assert abs(plan["peak_bytes"] - measured) <= 0.10 * measured, (plan["peak_bytes"], measured)
     extract = next(s for s in plan["stages"] if s["name"] == "extract")
@@ -256,10 +258,10 @@ def test_plan_refines_the_answers_from_the_cache_and_the_measured_rate(tmp_path)
     plan = plan_lib.project(smollm2_config(), tmp_path)
     regen = plan.workload["regenerate"]
     assert regen["answer_tokens"] == 60 and "mean of the 100 answers" in regen["answer_basis"]
-    assert regen["answers_to_make"] == pytest.approx(600 * plan_lib.BUILTIN_ANSWERS_PER_PROMPT - 100)
+    assert regen["answers_to_make"] == pytest.approx(600 * plan_workload.BUILTIN_ANSWERS_PER_PROMPT - 100)
     row = stage_row(plan, "regenerate")
-    assert row.seconds == pytest.approx(regen["answers_to_make"] * 60 / 60.0 + plan_lib.ASSUMED_SELF_SERVED_STARTUP_S)
+    assert row.seconds == pytest.approx(regen["answers_to_make"] * 60 / 60.0 + plan_workload.ASSUMED_SELF_SERVED_STARTUP_S)
     assert "measured while answering" in row.time_basis
-    tokens = 600 * plan_lib.BUILTIN_ANSWERS_PER_PROMPT * (plan_lib.BUILTIN_PROMPT_TOKENS + 60
-                                                          + plan_lib.TEMPLATE_TOKENS_PER_TURN)
+    tokens = 600 * plan_workload.BUILTIN_ANSWERS_PER_PROMPT * (plan_workload.BUILTIN_PROMPT_TOKENS + 60
+                                                               + plan_workload.TEMPLATE_TOKENS_PER_TURN)
     assert plan.workload["train_tokens"] + plan.workload["eval_tokens"] == pytest.approx(tokens, rel=0.01)

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from eagle3flow.ops import plan as plan_lib
+from eagle3flow.ops.sizes import tree_bytes
 from eagle3flow.ops import streaming
 from support.box import FakeBox
 from support.builders import make_hidden_states, make_vocab_map
@@ -172,7 +173,7 @@ def streamed(embedded_default_build, tmp_path_factory):
     timings["unbudgeted"] = time.monotonic() - t0
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     full_peak = measured_peak(full)
-    train_hidden = plan_lib.tree_bytes(full / "cache" / "hidden_states")
+    train_hidden = tree_bytes(full / "cache" / "hidden_states")
 
     # 2. The same data under a budget smaller than the full hidden states: 3 partitions,
     #    room for one at a time (two would need a third of the train split more).

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3flow.model.draft import DraftConfig, rope_inv_freq
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import rope_inv_freq
 from eagle3flow.extract.hf import extract
 from eagle3flow.target.weights import load_target_head
 from eagle3flow.train.trainer import train

@@ -257,7 +257,7 @@ def test_exported_layer_ids_are_what_vllm_captures(vllm_runs):
     captures for id k is HF's hidden_states[k]; the last state is what lm_head consumes."""
     from transformers import AutoModelForCausalLM
 
-    from eagle3flow.model.draft import DraftConfig
+    from eagle3flow.model.config import DraftConfig
     from eagle3flow.target.config import load_target_config
 
     for name, run in vllm_runs.items():

@@ -209,7 +209,7 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
     """
     import torch
 
-    from eagle3flow.model.draft import Eagle3Draft
+    from eagle3flow.model.load import load_exported_draft
     from eagle3flow.extract.hf import capture, load_target
 
     done = _load_replays(replay_path, key)
@@ -225,8 +225,8 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
         if target_key not in loaded:
             loaded[target_key] = load_target(target_path, torch_dtype, torch_device)
         target = loaded[target_key]
-        draft = Eagle3Draft.from_exported(draft_dir, target_path, dtype=torch_dtype,
-                                          device=torch_device).eval()
+        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
+                                    device=torch_device).eval()
         progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
                             done=len(done))
         with open(replay_path, "a") as f:
@@ -631,13 +631,13 @@ def _evaluate_split(draft_dir: Path, target_path: Path, eval_manifest, k: int, t
                     max_tokens: int | None) -> dict:
     import torch
 
-    from eagle3flow.model.draft import Eagle3Draft
+    from eagle3flow.model.load import load_exported_draft
     from eagle3flow.train.trainer import evaluate_split
 
     print(f"evaluate: step accuracy on {eval_manifest}", file=sys.stderr, flush=True)
     # float32 like training's own eval, so the numbers compare with metrics.jsonl.
-    draft = Eagle3Draft.from_exported(draft_dir, target_path, dtype=torch.float32,
-                                      device=torch_device).eval()
+    draft = load_exported_draft(draft_dir, target_path, dtype=torch.float32,
+                                device=torch_device).eval()
     return evaluate_split(draft, eval_manifest, k, max_tokens=max_tokens)
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.atomic import replacing, write_json
-from eagle3flow.model.draft import DraftConfig, exported_param_names
+from eagle3flow.model.config import DraftConfig, exported_param_names
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.config import load_target_config, read_config_file
 from eagle3flow.target.weights import target_dtype

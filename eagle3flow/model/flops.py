@@ -23,7 +23,7 @@ def train_flops_per_token(cfg, ttt_steps: int, mean_context: float,
                           teacher_vocab: int | None = None) -> dict:
     """FLOPs per token of one training step, with the pieces.
 
-    ``cfg``: a :class:`eagle3flow.model.draft.DraftConfig`; ``mean_context``: keys a
+    ``cfg``: a :class:`eagle3flow.model.config.DraftConfig`; ``mean_context``: keys a
     row attends to causally, averaged over tokens (``(L+1)/2`` for samples of ``L``
     tokens, see :func:`mean_causal_context`). ``teacher_vocab`` defaults to the
     draft vocabulary (the teacher head is the target lm_head's ``t2d`` rows).

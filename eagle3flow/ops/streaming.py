@@ -44,6 +44,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
+from eagle3flow.jsonl import concat_jsonl
 
 CHAIN_FILE = "chain.json"
 
@@ -317,10 +318,9 @@ def record_manifest(markers: list[Path], out: Path) -> dict:
             record[key] = sum(int(d["manifest"].get(key, 0)) for d in parts)
     record["streamed"] = {"partitions": len(parts), "shards_deleted": True,
                           "consumed": [str(p) for p in markers]}
-    from eagle3flow.extract.throughput import merge_throughput_logs
     logs = [Path(d["manifest_path"]).with_name(f"{Path(d['manifest_path']).stem}.throughput.jsonl")
             for d in parts]
-    merge_throughput_logs(logs, out.parent / "throughput.jsonl")
+    concat_jsonl(logs, out.parent / "throughput.jsonl")
     write_json(out, record)
     log(f"{len(parts)} consumed partitions ({record['num_tokens']:,} tokens, "
         f"{len(record['shards'])} shards, deleted) recorded in {out}")

@@ -54,7 +54,8 @@ from safetensors.torch import load_file, save_file
 from eagle3flow.atomic import write_json
 from eagle3flow.config import schema_defaults
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
-from eagle3flow.model.draft import DraftConfig, Eagle3Draft, PackedLayout
+from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.draft import Eagle3Draft, PackedLayout
 from eagle3flow.model.flops import mean_causal_context, measure_matmul_flops, train_flops_per_token
 from eagle3flow.train.loss import scored_mask, teacher_targets, ttt_loss
 from eagle3flow.train.optim import LR_SCHEDULES, OPTIMIZERS, Schedule, build_optimizers, lr_factor

@@ -1,0 +1,251 @@
+"""The projection: per stage, the disk it will hold and the time it will take, from the
+workload, the footprint formulas and the best throughput known (this profile's last
+run, this directory's last run, else an assumed FLOP rate), then the budget's verdict;
+with streaming partitions (eagle3flow/ops/streaming.py) when the budget cannot hold the
+full hidden states. No torch."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from eagle3flow.ops import streaming
+from eagle3flow.ops.plan_budget import allowed_peak, budget_refusal
+from eagle3flow.ops.plan_footprint import (aux_layer_count, draft_checkpoint_bytes, draft_param_counts,
+                                           hidden_state_bytes_per_token, storage_dtype, target_params)
+from eagle3flow.ops.plan_stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
+                                        stage_outputs_exist)
+from eagle3flow.ops.plan_throughput import (extract_backend, extract_devices, measured_throughputs,
+                                            profile_key, recorded_throughputs)
+from eagle3flow.ops.plan_workload import (EMBEDDED_BUILD_S_PER_STEP, EMBEDDED_JSONL_BYTES_PER_TOKEN,
+                                          EMBEDDED_TOKENS_PER_CONVERSATION, PARQUET_BYTES_PER_TOKEN,
+                                          serving_rate, target_config, workload)
+from eagle3flow.ops.sizes import newest_subdirs_bytes, tree_bytes
+
+# Effective FLOP/s when nothing is measured: CPU from the embedded default's extraction
+# (2 x 4.7M params x 2,900 tokens/s) and training (6 x 0.76M x 7 x 1,500 tokens/s);
+# GPU an assumed 40% of a dense bf16 H100/H200 per GPU.
+ASSUMED_FLOPS = {("cpu", "extract"): 2.7e10, ("cpu", "train"): 4.8e10,
+                 ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
+# Seconds of the small stages when this directory has never run them.
+ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0}
+ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
+ASSUMED_PRETRAINED_BUILD_S = 60.0
+
+
+def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
+    """The plan for ``config`` (validated, defaults filled) in workflow directory ``root``.
+
+    ``will_run``: jobs per rule Snakemake will run (its DAG); None = judge each stage by
+    whether its files exist.
+    """
+    root = Path(root)
+    target, target_basis = target_config(config, root)
+    work = workload(config, root)
+    gpus = int(config["resources"]["gpus"])
+    device_class = "gpu" if gpus > 0 else "cpu"
+    aux = aux_layer_count(config, target)
+    hidden = int(target["hidden_size"])
+    dtype = storage_dtype(config)
+    per_token = hidden_state_bytes_per_token(aux, hidden, dtype)
+    tokens = work["train_tokens"] + work["eval_tokens"]
+    samples = work["train_samples"] + work["eval_samples"]
+    draft_vocab = min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"]))
+    train_cfg = config["train"]
+    draft_counts = draft_param_counts(target, aux, draft_vocab, train_cfg.get("draft", {}))
+    draft_params = sum(draft_counts.values())
+    checkpoint = draft_checkpoint_bytes(draft_counts, train_cfg["optimizer"])
+    total_params, active_params = target_params(target)
+    target_dtype = str(target.get("torch_dtype") or target.get("dtype") or "bfloat16").replace("torch.", "")
+    export_bytes_per_param = 4 if target_dtype == "float32" else 2
+    vocab_map_bytes = draft_vocab * 8 + int(target["vocab_size"])
+
+    measured = measured_throughputs(config, root)
+    recorded = recorded_throughputs(config, root)
+    # Per stage, the devices it runs on: extraction with the HF backend loads the target on one.
+    devices = {"extract": extract_devices(config), "train": gpus}
+    seconds_of = {**measured["seconds"], **recorded.get("seconds", {})}
+    backend = extract_backend(config)
+
+    def rate(stage: str, flops_per_token: float) -> tuple[float, str]:
+        key = f"{stage}_tokens_per_s"
+        if recorded.get(key):
+            return recorded[key], f"last run ({profile_key(config)})"
+        if key in measured:
+            return measured[key], "last run in results/"
+        on = (f" on {devices[stage]} GPU(s)" + (f", {backend} backend" if stage == "extract" else "")
+              if gpus else "")
+        flops = ASSUMED_FLOPS[(device_class, stage)] * max(devices[stage], 1)
+        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on}"
+
+    def scaled_seconds(rule: str, now_tokens: float, fallback: float, fallback_basis: str):
+        """A small stage's seconds from its last benchmark, scaled by tokens when known."""
+        if rule in seconds_of:
+            then = recorded.get("tokens")
+            factor = now_tokens / then if then and now_tokens else 1.0
+            return seconds_of[rule] * factor, "last run"
+        return fallback, fallback_basis
+
+    # --- projected bytes and seconds per stage
+    proj: dict[str, tuple[int, str, float, str]] = {}
+    emb = config["embedded"]
+    using_embedded = config["target"]["path"] is None or config["dataset"]["path"] is None
+    builtin = config["target"].get("builtin") or "embedded"
+    if config["target"]["path"] is None and builtin != "embedded":
+        s, sb = scaled_seconds("build_pretrained_target", 0, ASSUMED_PRETRAINED_BUILD_S, "assumed")
+        proj["embedded target"] = (total_params * 4 + samples * 300, f"{builtin}: {total_params / 1e6:.0f}M "
+                                   "fp32 params + the built-in prompts", s, sb)
+    elif using_embedded:
+        emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
+        b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
+        s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_S_PER_STEP,
+                               f"assumed {EMBEDDED_BUILD_S_PER_STEP}s/step")
+        proj["embedded target"] = (b, f"{total_params / 1e6:.1f}M fp32 params + conversations", s, sb)
+    if (config.get("regenerate") or {}).get("enabled"):
+        regen = work.get("regenerate") or {}
+        serve_rate, startup, rate_basis = serving_rate(config, root)
+        to_make = float(regen.get("answer_tokens_to_make", tokens))
+        seconds = (to_make / serve_rate + startup) if to_make else 0.0
+        proj["regenerate"] = (int(tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN * 2), "new answers (JSONL)", seconds,
+                              f"{to_make:,.0f} answer tokens still to generate at {serve_rate:,.0f} tokens/s "
+                              f"({rate_basis})" + (f" + {startup:.0f}s start-up" if startup and to_make else ""))
+    s, sb = scaled_seconds("prepare_dataset", tokens, ASSUMED_SECONDS["prepare dataset"], "assumed")
+    proj["prepare dataset"] = (int(tokens * PARQUET_BYTES_PER_TOKEN) + samples * 300,
+                               f"{tokens:,} tokens x {PARQUET_BYTES_PER_TOKEN} B + prompts", s, sb)
+    # Hidden states: both splits; shard headers hold the sample ids.
+    hs_bytes = tokens * per_token + samples * 40
+    r, rb = rate("extract", 2 * active_params)
+    proj["extract"] = (hs_bytes, f"{tokens:,} tokens x {per_token:,} B ({aux}+1 x {hidden} x {dtype})",
+                       tokens / r, f"{r:,.0f} tokens/s, {rb}")
+    proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
+                     *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
+    keep = int(train_cfg.get("keep_checkpoints", 2))
+    train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
+    steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
+    metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
+    r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
+    proj["train"] = ((keep + 1) * checkpoint + draft_params * 4 + metrics_bytes,
+                     f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
+                     f"({train_cfg['optimizer']}) x ({keep}+1) checkpoints + weights",
+                     train_tokens / r, f"{r:,.0f} tokens/s, {rb}")
+    proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
+                      f"draft in {'float32' if export_bytes_per_param == 4 else 'bfloat16'}",
+                      *scaled_seconds("export_draft", 0, ASSUMED_SECONDS["export"], "assumed"))
+    ev = config["evaluate"]
+    n_prompts = ev.get("num_prompts") or work["eval_samples"]
+    proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests",
+                        *scaled_seconds("evaluate_draft", 0, ASSUMED_EVALUATE_S[device_class], "assumed"))
+    proj["report"] = (600_000, "plots and tables",
+                      *scaled_seconds("build_report", 0, ASSUMED_SECONDS["report"], "assumed"))
+
+    # --- status per stage, measured bytes, the peak
+    now_per_stage, now_total = measure(config, root)
+    results = root / layout(config)["results"]
+
+    def assemble(proj: dict, fingerprinted: dict = FINGERPRINTED) -> Plan:
+        rows, accounted, to_write = [], 0, 0
+        for name, prefixes, gpu, paths in STAGES:
+            if name not in proj:
+                if now_per_stage[name]:
+                    accounted += now_per_stage[name]
+                continue
+            b, bb, s, sb = proj[name]
+            existing = now_per_stage[name]
+            done = stage_outputs_exist(name, results)
+            if will_run is not None:
+                jobs = sum(n for rule, n in will_run.items() if rule.startswith(prefixes))
+                # Not in the DAG and never made: the targets asked for do not need it.
+                status = "run" if jobs else "cached" if done else "skip"
+            else:
+                jobs = 0 if done else 1
+                status = "cached" if done else "run"
+            if status == "skip":
+                final, s = existing, 0.0
+            elif status == "cached":
+                final = existing or b
+            else:
+                # What a stage rewrites in results/ is replaced; its cache keeps old fingerprints
+                # and resumes the newest (taken as this run's partial work).
+                stale = sum(tree_bytes(real_path(p, config, root)) for p in paths if p.startswith("cache/"))
+                current = sum(newest_subdirs_bytes(real_path(p, config, root), fingerprinted[p])
+                              for p in paths if p in fingerprinted)
+                final = stale + max(0, b - current)
+                to_write += max(0, final - existing)
+            accounted += existing
+            rows.append(StageRow(name, gpu, status, int(final), bb, float(s), sb, jobs))
+        other = max(0, now_total - accounted)
+        peak = other + sum(r.bytes for r in rows)
+        plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
+                    {**work, "target": target_basis, "draft_params": draft_params,
+                     "checkpoint_bytes": int(checkpoint), "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,
+                     "aux_layers": aux, "hidden_size": hidden,
+                     "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
+        plan.refusal = budget_refusal(plan, config, root)
+        return plan
+
+    plan = assemble(proj)
+    return _with_streaming(plan, assemble, proj, config, root, target)
+
+
+def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, target: dict) -> Plan:
+    """The plan with streaming partitions (eagle3flow/ops/streaming.py) when the budget cannot
+    hold the full hidden states, or when a chain is already in progress here.
+
+    Streamed, the hidden states on disk at once are the eval split's plus F train
+    partitions ("in flight"): F = what the room left by every other stage holds, and the
+    extraction of the last epochs is repeated per epoch."""
+    pinned = streaming.pinned_chain(config, root)
+    if plan.refusal is None and pinned is None:
+        return plan
+    extract = next((s for s in plan.stages if s.name == "extract"), None)
+    if extract is None:
+        return plan
+    w = plan.workload
+    per_token = w["hidden_state_bytes_per_token"]
+    n, epochs = int(config["extract"]["partitions"]), int(config["train"]["epochs"])
+    exact = streaming.train_partition_tokens(config, root, target) if n > 1 else None
+    shard_tokens = int(config["extract"]["shard_tokens"])
+    if exact:
+        part_tokens = max(exact)
+    else:   # partitions are runs of whole shards
+        shards = max(1, math.ceil(w["train_tokens"] / shard_tokens))
+        part_tokens = min(w["train_tokens"], math.ceil(shards / n) * shard_tokens)
+    if n > 1 and (exact and min(exact) == 0 or w["train_tokens"] < n * shard_tokens):
+        plan.refusal = (plan.refusal or "storage budget: the plan does not fit.") + (
+            f"\n  - streaming needs at least one shard per partition: extract.shard_tokens "
+            f"{shard_tokens:,} with {w['train_tokens']:,} train tokens makes fewer than "
+            f"extract.partitions = {n} shards; set extract.shard_tokens <= {w['train_tokens'] // n:,}")
+        return plan
+    # Shard headers hold ~40 bytes of sample id per sample (as in the full projection).
+    part_bytes = part_tokens * per_token + math.ceil(w["train_samples"] / n) * 40
+    eval_bytes = w["eval_tokens"] * per_token + w["eval_samples"] * 40
+    full_bytes = proj["extract"][0]
+    # The previous link's final checkpoint and outputs (fp32 weights) stay until the next
+    # link is consumed.
+    previous_link = w["checkpoint_bytes"] + 4 * w["draft_params"]
+    if pinned is not None:
+        chain = streaming.Chain(pinned.partitions, pinned.epochs, pinned.in_flight, part_bytes)
+    else:
+        allowed = allowed_peak(plan, config, root)
+        # What the extract row holds besides this run's hidden states (old fingerprints).
+        others = extract.bytes - max(0, full_bytes) if extract.status == "run" else 0
+        room = allowed - (plan.peak_bytes - extract.bytes) - max(0, others) - eval_bytes - previous_link
+        chain, why = streaming.chain_from_budget(n, epochs, room, part_bytes)
+        if chain is None:
+            if why:
+                plan.refusal = (plan.refusal or "storage budget: the plan does not fit.") + f"\n  - {why}"
+            return plan
+    b, _, s, sb = proj["extract"]
+    streamed = dict(proj)
+    streamed["extract"] = (eval_bytes + chain.in_flight * part_bytes,
+                           f"streamed: eval + {chain.in_flight} of {n} partitions x {part_tokens:,} tokens x "
+                           f"{per_token:,} B", s * epochs, sb + (f", x {epochs} epochs" if epochs > 1 else ""))
+    tb, tbb, ts, tsb = proj["train"]
+    streamed["train"] = (tb + previous_link, tbb + " + the previous link's", ts, tsb)
+    # The previous link's run and outputs are this run's too (counted in the train row).
+    plan = assemble(streamed, {**FINGERPRINTED, "cache/train": 2, "cache/streaming": 2})
+    plan.workload["streaming"] = {**chain.to_json(), "part_tokens": part_tokens, "pinned": pinned is not None}
+    plan.notes.append(chain.describe() + (" (pinned by results/streaming/chain.json)" if pinned else ""))
+    return plan
+
+

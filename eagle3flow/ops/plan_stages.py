@@ -1,0 +1,114 @@
+"""The plan's stages (which rules, GPU or not, which paths hold their bytes) and the
+plan itself: :class:`StageRow` per stage, :class:`Plan` for the run. Where a stage's
+paths lie under the config's ``paths``, what they hold now, and whether a stage is
+done without Snakemake's DAG. No torch."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagle3flow.ops.sizes import tree_bytes
+
+# Stages in workflow order: rules (prefixes of rule names), GPU or not, the paths
+# (relative to results/ or cache/) whose bytes belong to it.
+STAGES = (
+    ("embedded target", ("build_embedded_target", "build_pretrained_target", "write_builtin_prompts"), False,
+     ("results/embedded", "results/pretrained", "results/prompts")),
+    ("prepare dataset", ("prepare_dataset",), False, ("results/dataset",)),
+    # Answers come from the live server, before any drain: not a GPU stage of this run.
+    ("regenerate", ("regenerate_responses",), False, ("results/regenerate", "cache/regenerate")),
+    ("extract", ("extract_hidden_states", "extract_partition", "merge_hidden_states"), True,
+     ("results/hidden_states", "cache/hidden_states")),
+    ("vocab", ("build_vocab_map",), False, ("results/vocab",)),
+    ("train", ("train_draft", "train_partition"), True, ("results/train", "cache/train", "cache/streaming")),
+    ("export", ("export_draft",), False, ("results/draft",)),
+    ("evaluate", ("evaluate_draft",), True, ("results/eval",)),
+    ("report", ("build_report",), False, ("results/report",)),
+)
+# Cache directories holding one subdirectory per fingerprint, and how many of the newest
+# are this run's (extraction keeps one per split): a rerun resumes those, the rest is stale.
+FINGERPRINTED = {"cache/hidden_states": 2, "cache/train": 1, "cache/regenerate": 1}
+
+
+@dataclass
+class StageRow:
+    """One line of the plan."""
+    name: str
+    gpu: bool
+    status: str                 # "run", "cached", "skip" (not needed by the targets)
+    bytes: int                  # projected bytes this stage's paths hold at the end
+    bytes_basis: str
+    seconds: float
+    time_basis: str
+    jobs: int = 0               # jobs Snakemake will run for it
+    actual_bytes: int | None = None
+    actual_seconds: float | None = None
+
+
+@dataclass
+class Plan:
+    stages: list[StageRow]
+    other_bytes: int            # results/ and cache/ bytes no stage accounts for
+    peak_bytes: int             # projected peak of results/ + cache/
+    to_write_bytes: int         # bytes still to be written by stages that run
+    gpus: int
+    drain: bool
+    workload: dict
+    profile_key: str
+    refusal: str | None = None
+    actual_peak_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return sum(s.seconds for s in self.stages if s.gpu and s.status == "run")
+
+    @property
+    def downtime_seconds(self) -> float:
+        """With a drain: from the first GPU stage that runs to the last one (CPU stages in
+        between, like export, keep the unit down too); else nothing is drained."""
+        if not self.drain:
+            return 0.0
+        running = [i for i, s in enumerate(self.stages) if s.status == "run"]
+        gpu_running = [i for i in running if self.stages[i].gpu]
+        if not gpu_running:
+            return 0.0
+        lo, hi = gpu_running[0], gpu_running[-1]
+        return sum(self.stages[i].seconds for i in running if lo <= i <= hi)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.update(gpu_hours=self.gpu_seconds * max(self.gpus, 1) / 3600 if self.gpus else 0.0,
+                    downtime_s=self.downtime_seconds)
+        return data
+
+
+def layout(config: dict) -> dict:
+    """Stage path prefixes ("results/...", "cache/...") -> real paths under the config's dirs."""
+    paths = config.get("paths", {})
+    return {"results": paths.get("results", "results"), "cache": paths.get("cache", "cache")}
+
+
+def real_path(rel: str, config: dict, root: Path) -> Path:
+    top, _, rest = rel.partition("/")
+    return root / layout(config)[top] / rest
+
+
+def measure(config: dict, root: Path) -> tuple[dict[str, int], int]:
+    """Bytes now held per stage, and the results/ + cache/ total."""
+    per_stage = {name: sum(tree_bytes(real_path(p, config, root)) for p in paths)
+                 for name, _, _, paths in STAGES}
+    total = sum(tree_bytes(root / d) for d in set(layout(config).values()))
+    return per_stage, total
+
+
+def stage_outputs_exist(name: str, results: Path) -> bool:
+    """Without Snakemake's DAG: a stage counts as done when its last declared output exists."""
+    if name == "embedded target":
+        return (results / "embedded/build_stats.json").is_file() or (results / "pretrained/target/config.json").is_file()
+    marker = {"regenerate": "regenerate/stats.json", "prepare dataset": "dataset/stats.json",
+              "extract": "hidden_states/eval/manifest.json", "vocab": "vocab/stats.json",
+              "train": "train/eval.json", "export": "draft/model.safetensors",
+              "evaluate": "eval/summary.json", "report": "report/report.json"}.get(name)
+    return marker is not None and (results / marker).is_file()
+

@@ -1,0 +1,125 @@
+"""Throughputs: which extraction backend and devices the run uses, what this directory's
+last run measured (extraction's throughput logs, training's metrics, the rules'
+benchmark TSVs), the record of earlier runs per profile (``results/plan/throughput.json``),
+and after a run the measured bytes and seconds beside the projection. No torch."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from eagle3flow.atomic import write_json
+from eagle3flow.ops.plan_footprint import uses_gpu
+from eagle3flow.ops.plan_stages import STAGES, Plan, layout, measure
+from eagle3flow.ops.plan_workload import workload
+
+def extract_backend(config: dict) -> str:
+    """The extraction backend that will run: extract.backend, with auto resolved as the job
+    does (eagle3flow/extract/hf.py resolve_backend): vllm where the node has several GPUs."""
+    ext = config["extract"]
+    backend = ext.get("backend") or "auto"
+    if backend == "auto":
+        backend = "vllm" if config["resources"]["gpus"] > 1 and uses_gpu(config, ext.get("device", "auto")) else "hf"
+    return backend
+
+
+def extract_devices(config: dict) -> int:
+    """Devices the extraction runs on: the node's GPUs with vLLM (tensor parallel), one with
+    transformers (the HF backend loads the target on one device)."""
+    gpus = int(config["resources"]["gpus"])
+    return gpus if extract_backend(config) == "vllm" else min(gpus, 1)
+
+
+def profile_key(config: dict) -> str:
+    """What throughputs are comparable across: the GPU count, the stages' devices, the
+    extraction backend."""
+    return (f"gpus={config['resources']['gpus']},extract={config['extract'].get('device', 'auto')},"
+            f"train={config['train'].get('device', 'auto')},backend={extract_backend(config)}")
+
+
+def _benchmark_seconds(path: Path) -> float | None:
+    try:
+        with open(path) as f:
+            lines = f.read().strip().splitlines()
+        return float(lines[-1].split("\t")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def measured_throughputs(config: dict, root: Path) -> dict:
+    """From this directory's last run: extraction and training tokens/s, each rule's seconds."""
+    results = root / layout(config)["results"]
+    found: dict = {"seconds": {}}
+    tokens = seconds = 0.0
+    for path in (results / "hidden_states").rglob("*throughput.jsonl"):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    tokens += row["num_tokens"]
+                    seconds += row["compute_s"]
+                except (ValueError, KeyError):
+                    continue
+    if tokens and seconds:
+        found["extract_tokens_per_s"] = tokens / seconds
+    rates = []
+    metrics = results / "train" / "metrics.jsonl"
+    if metrics.is_file():
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    rates.append(float(json.loads(line)["tokens_per_s"]))
+                except (ValueError, KeyError):
+                    continue
+    if rates:
+        found["train_tokens_per_s"] = sorted(rates)[len(rates) // 2]
+    for tsv in (results / "benchmarks").glob("*.tsv"):
+        s = _benchmark_seconds(tsv)
+        if s is not None:
+            found["seconds"][tsv.stem] = s
+    return found
+
+
+def recorded_throughputs(config: dict, root: Path) -> dict:
+    """Throughputs of earlier runs of this profile (results/plan/throughput.json)."""
+    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    try:
+        with open(path) as f:
+            return json.load(f).get(profile_key(config), {})
+    except (OSError, ValueError):
+        return {}
+
+
+def record_throughputs(config: dict, root: Path) -> None:
+    """After a run: keep its throughputs (and the tokens they were measured on) for this
+    profile, so the next plan uses them."""
+    measured = measured_throughputs(config, root)
+    work = workload(config, root)
+    if work["basis"].endswith("stats.json"):
+        measured["tokens"] = work["train_tokens"] + work["eval_tokens"]
+    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    previous = data.get(profile_key(config), {})
+    merged = {**previous, **{k: v for k, v in measured.items() if k != "seconds"},
+              "seconds": {**previous.get("seconds", {}), **measured["seconds"]},
+              "recorded_at": time.time()}
+    data[profile_key(config)] = merged
+    write_json(path, data)
+
+
+def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Plan:
+    """Measured bytes per stage and the rules' seconds (results/benchmarks) beside the projection."""
+    per_stage, total = measure(config, root)
+    seconds = measured_throughputs(config, root)["seconds"]
+    for s in plan.stages:
+        s.actual_bytes = per_stage[s.name]
+        prefixes = next(p for n, p, _, _ in STAGES if n == s.name)
+        ran = [v for rule, v in seconds.items() if rule.startswith(prefixes)]
+        s.actual_seconds = sum(ran) if ran else None
+    plan.actual_peak_bytes = max(peak or 0, total)
+    return plan
+

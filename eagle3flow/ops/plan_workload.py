@@ -1,0 +1,242 @@
+"""The workload the plan is for: the target's config (or a built-in target's shape
+before it is built), samples and tokens per split, and with regeneration the answers
+still to make and the server's rate. Measured where this directory has run the
+stages, else estimated (each number says its basis). No torch."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from eagle3flow.ops.plan_stages import layout
+from eagle3flow.ops.sizes import format_bytes, tree_bytes
+from eagle3flow.target.config import load_target_config
+from eagle3flow.target.shapes import SHAPES
+
+# Measured on the embedded default (2 cores): the stdlib-docstring corpus gives about
+# 59.4 tokens per requested conversation (237,744 for 4,000), its JSONL ~5.3 bytes per
+# token; the tokenized parquet ~1.7 bytes per token; the target build takes ~1.76 s
+# per pre-training step.
+EMBEDDED_TOKENS_PER_CONVERSATION = 59.4
+EMBEDDED_JSONL_BYTES_PER_TOKEN = 5.26
+RAW_BYTES_PER_TOKEN = 4.0          # a raw chat JSON/JSONL file, roughly, when nothing is measured
+PARQUET_BYTES_PER_TOKEN = 1.7
+EMBEDDED_BUILD_S_PER_STEP = 1.76
+ASSUMED_SERVER_TOKENS_PER_S = 2000
+# The target's own answers (regenerate.enabled), before any answer exists: an answer
+# fills this fraction of regenerate.max_tokens (measured: SmolLM2-135M, max_tokens 128,
+# ~0.76); then the mean of the answers already in the cache, then the stage's stats.
+ASSUMED_ANSWER_FILL = 0.75
+# Chat template tokens around one prompt + answer (role headers, end-of-turn markers).
+TEMPLATE_TOKENS_PER_TURN = 10
+# The built-in prompts (eagle3flow/data/builtin_prompts.py): ~1.2 answers per prompt (a fifth
+# have a follow-up turn), ~40 tokens of prompt per answer; the embedded corpus' prompts ~20.
+BUILTIN_ANSWERS_PER_PROMPT = 1.2
+BUILTIN_PROMPT_TOKENS = 40
+EMBEDDED_PROMPT_TOKENS = 20
+# A server the regenerate job starts for a built-in target (no URL): its start-up, and
+# its rate on the CPU build (SmolLM2-135M on 2 cores: ~150 completion tokens/s).
+ASSUMED_SELF_SERVED_STARTUP_S = 60.0
+ASSUMED_SELF_SERVED_CPU_TOKENS_PER_S = 150
+# Rows of a local JSONL dataset read to estimate its prompts and answers per row.
+SAMPLED_ROWS = 2000
+
+
+def target_config(config: dict, root: Path) -> tuple[dict, str]:
+    """The target's text config and where it came from (a built-in target's shape before
+    it is built: eagle3flow/target/shapes.py)."""
+    path = config["target"]["path"]
+    builtin = (config["target"].get("builtin") or "embedded") if not path else None
+    default_dir = {"embedded": "embedded/target", "smollm2-135m": "pretrained/target"}.get(builtin, "embedded/target")
+    target_dir = Path(path) if path else root / layout(config)["results"] / default_dir
+    if not target_dir.is_absolute():
+        target_dir = root / target_dir
+    cfg_file = target_dir / "config.json"
+    if cfg_file.is_file():
+        return load_target_config(target_dir), str(cfg_file)
+    if path:
+        raise FileNotFoundError(f"{cfg_file}: target.path has no config.json; the plan needs the "
+                                "target's hidden size and layer count")
+    return dict(SHAPES[builtin]), f"{builtin} shape"
+
+
+def _sample_jsonl(path: Path) -> dict | None:
+    """Rows, answers per row and prompt characters per answer of a local JSONL dataset,
+    from its first SAMPLED_ROWS rows (scaled to the file by bytes); None when it is not
+    JSONL of messages/conversations/instruction rows."""
+    if not path.is_file() or not path.name.endswith((".jsonl", ".json")):
+        return None
+    rows = answers = prompt_chars = read = 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                read += len(line)
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                turns = row.get("messages") or row.get("conversations")
+                if isinstance(turns, list):
+                    roles = [m.get("role") or {"gpt": "assistant", "human": "user"}.get(m.get("from"), m.get("from"))
+                             for m in turns if isinstance(m, dict)]
+                    n = sum(r == "assistant" for r in roles) + (1 if roles and roles[-1] == "user" else 0)
+                    prompt_chars += sum(len(str(m.get("content") or m.get("value") or ""))
+                                        for m, r in zip(turns, roles) if r != "assistant")
+                elif row.get("instruction") is not None or row.get("prompt") is not None:
+                    n = 1
+                    prompt_chars += len(str(row.get("instruction") or row.get("prompt") or "")) + len(
+                        str(row.get("input") or ""))
+                else:
+                    return None
+                rows += 1
+                answers += n
+                if rows >= SAMPLED_ROWS:
+                    break
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not rows or not answers:
+        return None
+    total = rows * path.stat().st_size / max(read, 1)
+    return {"rows": max(rows, int(total)), "answers_per_row": answers / rows,
+            "prompt_tokens_per_answer": prompt_chars / answers / RAW_BYTES_PER_TOKEN,
+            "exact": read >= path.stat().st_size}
+
+
+def newest_regenerate_cache(config: dict, root: Path) -> Path | None:
+    """This config's regeneration cache directory (the newest fingerprint), if any."""
+    top = root / layout(config)["cache"] / "regenerate"
+    try:
+        dirs = sorted((p for p in top.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return None
+    return dirs[-1] if dirs else None
+
+
+def answer_tokens(config: dict, root: Path) -> tuple[float, int, str]:
+    """(tokens per regenerated answer, answers already made, basis): the stage's stats
+    when it finished, else the mean of the answers in its cache, else regenerate.max_tokens
+    x ASSUMED_ANSWER_FILL."""
+    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json")
+    if stats and stats.get("turns"):
+        return stats["completion_tokens"] / stats["turns"], int(stats["turns"]), "regenerate's stats"
+    cache = newest_regenerate_cache(config, root)
+    tokens = turns = 0
+    if cache is not None:
+        try:
+            with open(cache / "responses.jsonl") as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        tokens += int(entry["completion_tokens"])
+                        turns += len(entry["finish_reasons"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        except OSError:
+            pass
+    if turns:
+        return tokens / turns, turns, f"mean of the {turns:,} answers in {cache.name}'s cache"
+    max_tokens = int(config["regenerate"]["max_tokens"])
+    return (max_tokens * ASSUMED_ANSWER_FILL, 0,
+            f"assumed {ASSUMED_ANSWER_FILL:.0%} of regenerate.max_tokens {max_tokens}")
+
+
+def serving_rate(config: dict, root: Path) -> tuple[float, float, str]:
+    """(completion tokens/s of the target's server, its start-up s, basis): measured by the
+    last regeneration (its stats, or its cache's rate.json while it ran), else assumed."""
+    self_served = (not config["regenerate"].get("base_url") and not os.environ.get("EAGLE3FLOW_REGENERATE_URL")
+                   and not config["target"]["path"])
+    startup = ASSUMED_SELF_SERVED_STARTUP_S if self_served else 0.0
+    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
+    sent = stats.get("sent") or {}
+    if sent.get("completion_tokens") and sent.get("tokens_per_s"):
+        return float(sent["tokens_per_s"]), startup, "measured by the last regeneration"
+    cache = newest_regenerate_cache(config, root)
+    rate = _read_json(cache / "rate.json") if cache is not None else None
+    if rate and rate.get("completion_tokens") and rate.get("seconds"):
+        return rate["completion_tokens"] / rate["seconds"], startup, "measured while answering (cache)"
+    if self_served and config["resources"]["gpus"] == 0:
+        return float(ASSUMED_SELF_SERVED_CPU_TOKENS_PER_S), startup, "assumed (the CPU build serving the target)"
+    return float(ASSUMED_SERVER_TOKENS_PER_S), startup, "assumed from the server"
+
+
+def _read_json(path: Path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def workload(config: dict, root: Path) -> dict:
+    """Samples and tokens per split (after max_length), and where the numbers came from.
+
+    With regeneration (regenerate.enabled) the dataset is the prompts with the target's
+    answers, not the file's: prompts x answers per prompt x (prompt + answer tokens),
+    the answer length from :func:`answer_tokens`. ``regenerate`` then says how many
+    answers are still to be generated and how many tokens they are."""
+    results = root / layout(config)["results"]
+    stats_file = results / "dataset" / "stats.json"
+    regen = bool((config.get("regenerate") or {}).get("enabled"))
+    if stats_file.is_file():
+        with open(stats_file) as f:
+            splits = json.load(f)["splits"]
+        out = {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
+               "train_samples": int(splits["train"]["samples"]),
+               "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file)}
+        if regen:
+            out["regenerate"] = {"answers_to_make": 0, "answer_tokens_to_make": 0}
+        return out
+    ds = config["dataset"]
+    max_samples = ds.get("max_samples")
+    builtin_target = config["target"]["path"] is None and (config["target"].get("builtin") or "embedded")
+    shape = None      # (rows, answers per row, prompt tokens per answer) when regenerating
+    if ds["path"] is None and builtin_target not in (None, "embedded"):
+        samples = int(ds["builtin_prompts"])
+        shape = (samples, BUILTIN_ANSWERS_PER_PROMPT, BUILTIN_PROMPT_TOKENS)
+        basis = f"estimate: {samples} built-in prompts"
+        tokens = samples * BUILTIN_ANSWERS_PER_PROMPT * BUILTIN_PROMPT_TOKENS
+    elif ds["path"] is None:
+        conversations = config["embedded"]["max_conversations"]
+        tokens = conversations * EMBEDDED_TOKENS_PER_CONVERSATION
+        samples = conversations
+        shape = (samples, 1.0, EMBEDDED_PROMPT_TOKENS)
+        basis = f"estimate: {conversations} embedded conversations x {EMBEDDED_TOKENS_PER_CONVERSATION} tokens"
+    else:
+        src = Path(ds["path"]) if Path(ds["path"]).is_absolute() else root / ds["path"]
+        if not src.exists():
+            raise FileNotFoundError(
+                f"{src}: dataset.path not found locally; run prepare_dataset first "
+                "(`snakemake --profile P prepare_dataset`) so the plan can use its stats")
+        raw = tree_bytes(src)
+        tokens = raw / RAW_BYTES_PER_TOKEN
+        samples = max(1, int(tokens / 500))
+        basis = f"estimate: {format_bytes(raw)} of raw data / {RAW_BYTES_PER_TOKEN} bytes per token"
+        sampled = _sample_jsonl(src) if regen else None
+        if sampled:
+            samples = sampled["rows"]
+            shape = (samples, sampled["answers_per_row"], sampled["prompt_tokens_per_answer"])
+            basis = (f"estimate: {samples:,} rows of {src.name}" + ("" if sampled["exact"] else " (sampled)"))
+    regen_info = None
+    if regen and shape is not None:
+        rows, per_row, prompt_tokens = shape
+        if max_samples and max_samples < rows:
+            rows = samples = max_samples
+        answer, made, answer_basis = answer_tokens(config, root)
+        answers = rows * per_row
+        tokens = answers * (prompt_tokens + answer + TEMPLATE_TOKENS_PER_TURN)
+        basis += (f" x {per_row:.2f} answers x ({prompt_tokens:.0f} prompt + {answer:.0f} answer + "
+                  f"{TEMPLATE_TOKENS_PER_TURN} template tokens; answers: {answer_basis})")
+        regen_info = {"answers": answers, "answers_to_make": max(0.0, answers - made),
+                      "answer_tokens": answer, "answer_tokens_to_make": max(0.0, answers - made) * answer,
+                      "answer_basis": answer_basis}
+    elif max_samples and max_samples < samples:
+        tokens, samples = tokens * max_samples / samples, max_samples
+    tokens = min(tokens, samples * ds["max_length"])
+    eval_tokens = tokens * ds["eval_fraction"]
+    eval_samples = int(samples * ds["eval_fraction"])
+    out = {"train_tokens": int(tokens - eval_tokens), "eval_tokens": int(eval_tokens),
+           "train_samples": samples - eval_samples, "eval_samples": eval_samples, "basis": basis}
+    if regen_info:
+        out["regenerate"] = regen_info
+    return out
+
+
