@@ -17,7 +17,7 @@ def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.eval.evaluate import EVAL_DEFAULTS, evaluate
     from eagle3flow.data.regenerate import DEFAULTS
     from eagle3flow.ops.service import DEFAULTS as DRAIN_DEFAULTS
-    from eagle3flow.train.trainer import TRAIN_DEFAULTS, resolve_train_config
+    from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
 
     sections = schema()["properties"]
     for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("regenerate", DEFAULTS),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from eagle3flow.model.draft import EXPORTED_PARAM_NAMES, Eagle3Draft, exported_param_names
 from eagle3flow.export.checkpoint import export_draft
 from eagle3flow.target.weights import load_target_config, load_target_head
-from eagle3flow.train.trainer import build_draft, load_vocab_map
+from eagle3flow.train.build import build_draft, load_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,8 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import make_hidden_states, make_vocab_map
 
-    from eagle3flow.train.trainer import load_trained, train
+    from eagle3flow.train.build import load_trained
+    from eagle3flow.train.trainer import train
 
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from eagle3flow.export.checkpoint import export_draft
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.weights import load_target_config
-from eagle3flow.train.trainer import build_draft, load_vocab_map
+from eagle3flow.train.build import build_draft, load_vocab_map
 from test_export import make_vocab, save_train_dir
 
 

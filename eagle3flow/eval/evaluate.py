@@ -632,7 +632,7 @@ def _evaluate_split(draft_dir: Path, target_path: Path, eval_manifest, k: int, t
     import torch
 
     from eagle3flow.model.draft import Eagle3Draft
-    from eagle3flow.train.trainer import evaluate_split
+    from eagle3flow.train.eval_split import evaluate_split
 
     print(f"evaluate: step accuracy on {eval_manifest}", file=sys.stderr, flush=True)
     # float32 like training's own eval, so the numbers compare with metrics.jsonl.

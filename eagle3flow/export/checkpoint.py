@@ -23,7 +23,7 @@ from eagle3flow.atomic import replacing, write_json
 from eagle3flow.model.draft import DraftConfig, exported_param_names
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.weights import load_target_config, target_dtype
-from eagle3flow.train.trainer import load_vocab_map
+from eagle3flow.train.build import load_vocab_map
 
 
 FORMATS = ("eagle3", "speculators")
