@@ -44,6 +44,7 @@ from safetensors import safe_open
 
 from eagle3flow.extract import shards
 from eagle3flow.atomic import write_json
+from eagle3flow.device import resolve_device
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 
@@ -229,12 +230,6 @@ def cached_sha256(path: Path, cache_root: Path) -> str:
     memo[key] = {"stamp": stamp, "sha256": digest}
     write_json(memo_file, memo)
     return digest
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
