@@ -238,7 +238,7 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import make_hidden_states, make_vocab_map
 
-    from eagle3flow.eval.evaluate import evaluate
+    from eagle3flow.eval.evaluate import EvalOptions, evaluate
     from eagle3flow.tiny_targets import make_tiny_deepseek_v3
     from eagle3flow.train.trainer import train
 
@@ -266,9 +266,9 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(
         words[j] for j in torch.randint(0, 40, (6,), generator=g).tolist())}]}) + "\n" for i in range(6)))
-    summary = evaluate(draft, target, prompts, None, tmp_path / "eval" / "summary.json",
+    summary = evaluate(draft, target, prompts, None, tmp_path / "eval" / "summary.json", EvalOptions(
                        num_speculative_tokens=3, max_tokens=24, num_prompts=None, device="cpu",
-                       ignore_eos=True, compare_drafts={"random": str(random_dir)})
+                       ignore_eos=True, compare_drafts={"random": str(random_dir)}))
     trained, untrained = summary["results"]["eval"]["draft"], summary["results"]["eval"]["random"]
     for result in (trained, untrained):
         assert result["lossless"]["passed"], result["lossless"]
