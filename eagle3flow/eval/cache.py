@@ -37,7 +37,7 @@ def cached_vllm_run(name: str, request: dict, out_dir: Path, python: str | None)
         try:
             with open(out) as f:
                 cached = json.load(f)
-            if cached.get("requestfingerprint") == key:
+            if cached.get("request_fingerprint") == key:
                 print(f"evaluate: reusing {out}", file=sys.stderr, flush=True)
                 return cached
         except ValueError:
@@ -50,7 +50,7 @@ def cached_vllm_run(name: str, request: dict, out_dir: Path, python: str | None)
           f"(log: {out_dir / (name + '.log')})", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     result = run_vllm(request, out, python=python, log_path=out_dir / f"{name}.log")
-    result["requestfingerprint"] = key
+    result["request_fingerprint"] = key
     write_json(out, result)
     print(f"evaluate: vLLM {name} done in {time.monotonic() - t0:.0f}s "
           f"({result['output_tokens_per_s']:.1f} output tokens/s)", file=sys.stderr, flush=True)
