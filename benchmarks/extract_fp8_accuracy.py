@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle3flow.extract.hf import extract  # noqa: E402
 from eagle3flow.extract.shards import load_manifest  # noqa: E402
-from eagle3flow.train.trainer import evaluate_split, load_trained, train  # noqa: E402
+from eagle3flow.train.build import load_trained  # noqa: E402
+from eagle3flow.train.eval_split import evaluate_split  # noqa: E402
+from eagle3flow.train.trainer import train  # noqa: E402
 
 
 def log(message: str) -> None:

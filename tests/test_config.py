@@ -14,18 +14,18 @@ def schema() -> dict:
 
 
 def test_every_stage_takes_its_defaults_from_the_schema():
-    from eagle3flow.eval.evaluate import EVAL_DEFAULTS, evaluate
+    from eagle3flow.eval.evaluate import EVAL_DEFAULTS, EvalOptions
     from eagle3flow.data.regenerate import DEFAULTS
     from eagle3flow.ops.drain_state import DEFAULTS as DRAIN_DEFAULTS
-    from eagle3flow.train.trainer import TRAIN_DEFAULTS, resolve_train_config
+    from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
 
     sections = schema()["properties"]
     for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("regenerate", DEFAULTS),
                           ("drain", DRAIN_DEFAULTS)):
         assert used == {k: v.get("default") for k, v in sections[section]["properties"].items()}, section
     assert resolve_train_config({}) == TRAIN_DEFAULTS
-    # evaluate()'s own keyword defaults are the schema's too (max_tokens drifted to 64 once)
-    signature = inspect.signature(evaluate).parameters
+    # evaluate()'s own option defaults are the schema's too (max_tokens drifted to 64 once)
+    signature = inspect.signature(EvalOptions).parameters
     for key in ("num_speculative_tokens", "max_tokens", "num_prompts", "agreement_tolerance", "draft_name"):
         assert signature[key].default == EVAL_DEFAULTS[key], key
     assert schema_defaults("train") is not schema_defaults("train"), "callers get their own copy"

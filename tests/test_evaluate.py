@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from eagle3flow.eval.evaluate import (acceptance_summary, compare_outputs, evaluate,
-                                 replay_greedy_speculation)
+from eagle3flow.eval.agreement import compare_outputs
+from eagle3flow.eval.evaluate import EvalOptions, evaluate
+from eagle3flow.eval.replay import acceptance_summary, replay_greedy_speculation
 from eagle3flow.serving.vllm_runner import render_prompts, run_vllm
 from support.targets import make_chat_target, make_random_llama, save_bpe_chat_tokenizer
 
@@ -259,8 +257,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
 
     out = tmp_path / "eval" / "summary.json"
     t0 = time.monotonic()
-    summary = evaluate(draft, chat_target, prompts_file, manifest, out, num_speculative_tokens=k,
-                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu")
+    summary = evaluate(draft, chat_target, prompts_file, manifest, out, EvalOptions(num_speculative_tokens=k,
+                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu"))
     print(f"evaluate end to end: {time.monotonic() - t0:.1f}s")
     assert json.loads(out.read_text())["agreement"] == summary["agreement"]
 
@@ -300,7 +298,7 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
 def test_load_prompt_set_reads_mt_bench_and_messages(chat_target, tmp_path):
     from transformers import AutoTokenizer
 
-    from eagle3flow.eval.evaluate import load_prompt_set
+    from eagle3flow.eval.prompt_sets import load_prompt_set
 
     tok = AutoTokenizer.from_pretrained(str(chat_target))
     mixed = tmp_path / "mixed.jsonl"
@@ -364,10 +362,10 @@ def test_mt_bench_and_two_drafts_side_by_side(tmp_path):
     draft_b = export_random_draft(target, tmp_path / "draft_b", draft_tokens=frequent, seed=1)
 
     t0 = time.monotonic()
-    summary = evaluate(draft_a, target, eval_prompts, None, tmp_path / "eval" / "summary.json",
+    summary = evaluate(draft_a, target, eval_prompts, None, tmp_path / "eval" / "summary.json", EvalOptions(
                        num_speculative_tokens=2, max_tokens=6, num_prompts=2, device="cpu",
                        draft_name="new", prompt_sets={"mt_bench": str(questions)},
-                       compare_drafts={"mine": str(draft_b)}, replay_max_k=3)
+                       compare_drafts={"mine": str(draft_b)}, replay_max_k=3))
     print(f"MT-bench x 2 drafts: {time.monotonic() - t0:.1f}s")
 
     mt = summary["prompt_sets"]["mt_bench"]

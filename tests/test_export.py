@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle3flow.model.config import EXPORTED_PARAM_NAMES, exported_param_names
 from eagle3flow.model.draft import Eagle3Draft
-from eagle3flow.model.load import load_exported_draft
+from eagle3flow.export.load import load_exported_draft
 from eagle3flow.export.checkpoint import export_draft
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.weights import load_target_head
-from eagle3flow.train.trainer import build_draft, load_vocab_map
+from eagle3flow.train.build import build_draft, load_vocab_map
 from support.builders import make_hidden_states, make_random_vocab_map, make_vocab_map, save_train_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +174,8 @@ def test_vllm_serves_exported_draft(random_llama_target, tmp_path):
     exactly the tokens our own replay of its serving loop predicts."""
     sys.path.insert(0, str(Path(__file__).parent))
 
-    from eagle3flow.train.trainer import load_trained, train
+    from eagle3flow.train.build import load_trained
+    from eagle3flow.train.trainer import train
 
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)
@@ -223,7 +224,7 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     exact replay's, and above a random-weight MLA draft's."""
     sys.path.insert(0, str(Path(__file__).parent))
 
-    from eagle3flow.eval.evaluate import evaluate
+    from eagle3flow.eval.evaluate import EvalOptions, evaluate
     from support.tiny_targets import make_tiny_deepseek_v3
     from eagle3flow.train.trainer import train
 
@@ -251,9 +252,9 @@ def test_vllm_serves_an_mla_draft_on_an_mla_target(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(
         words[j] for j in torch.randint(0, 40, (6,), generator=g).tolist())}]}) + "\n" for i in range(6)))
-    summary = evaluate(draft, target, prompts, None, tmp_path / "eval" / "summary.json",
+    summary = evaluate(draft, target, prompts, None, tmp_path / "eval" / "summary.json", EvalOptions(
                        num_speculative_tokens=3, max_tokens=24, num_prompts=None, device="cpu",
-                       ignore_eos=True, compare_drafts={"random": str(random_dir)})
+                       ignore_eos=True, compare_drafts={"random": str(random_dir)}))
     trained, untrained = summary["results"]["eval"]["draft"], summary["results"]["eval"]["random"]
     for result in (trained, untrained):
         assert result["lossless"]["passed"], result["lossless"]

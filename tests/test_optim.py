@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from eagle3flow.train.optim import Optimizers, Schedule, build_optimizers, lr_factor
-from eagle3flow.train.trainer import copy_target_layer, resolve_train_config, with_noise
+from eagle3flow.train.build import copy_target_layer
+from eagle3flow.train.config import resolve_train_config
+from eagle3flow.train.trainer import with_noise
 
 
 def named_draft_params():
@@ -92,7 +94,7 @@ def test_noise_is_relative_to_each_aux_layers_scale():
 
 def test_midlayer_starts_as_the_targets_last_layer(random_llama_target):
     from eagle3flow.target.weights import load_target_layer
-    from eagle3flow.train.trainer import build_draft
+    from eagle3flow.train.build import build_draft
 
     vocab = 512
     t2d = torch.zeros(vocab, dtype=torch.bool)

@@ -18,7 +18,7 @@ import yaml
 from conftest import REPO
 from support.builders import write_word_conversations
 from support.targets import make_chat_target
-from support.workflow import BIN, snakemake, snakemake_env, workflow_copy
+from support.workflow import snakemake, snakemake_env, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops import plan_footprint, plan_stages, plan_workload, sizes

@@ -3,8 +3,6 @@ from sglang 0.5.23's source): SGLang's CPU build does not install here, so this 
 instead of a real load (README, "Serving the draft")."""
 from __future__ import annotations
 
-import pytest
-import torch
 
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.config import load_target_config

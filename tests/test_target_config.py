@@ -11,7 +11,7 @@ import json
 from eagle3flow.data.vocab import target_vocab_size
 from eagle3flow.extract.extraction import read_target_config
 from eagle3flow.layers import resolve_aux_layer_ids
-from eagle3flow.model.draft import DraftConfig
+from eagle3flow.model.config import DraftConfig
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.target.config import load_target_config, read_config_file, text_config
 

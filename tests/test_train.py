@@ -13,7 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.train.trainer import evaluate_split, load_trained, resolve_train_config, train
+from eagle3flow.train.build import load_trained
+from eagle3flow.train.config import resolve_train_config
+from eagle3flow.train.eval_split import evaluate_split
+from eagle3flow.train.trainer import train
 from support.builders import TRAIN_CONFIG, losses, make_hidden_states, make_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +143,7 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
 def test_mfu_is_never_above_one():
     """A peak measured while the machine was busy comes out low: the MFU is then measured
     against a second measurement, or unknown, never above 100%."""
-    from eagle3flow.train.trainer import PeakFlops
+    from eagle3flow.train.metrics import PeakFlops
 
     peak = PeakFlops(torch.device("cpu"), None)
     first = peak.value

@@ -6,7 +6,7 @@ extraction and trainer on a GPU, where a draft trains in seconds, to choose the
 defaults the CPU benchmark then confirms. Each variant trains the benchmark's budget
 (epochs, batch tokens, TTT steps, draft vocab) and is scored by the simulated
 acceptance length on the eval split, which on the target's own greedy answers is
-exactly greedy speculative decoding's (eagle3flow/train/trainer.py, ``evaluate_split``).
+exactly greedy speculative decoding's (eagle3flow/train/eval_split.py, ``evaluate_split``).
 
 Stage 1 sweeps the learning rate for each optimizer; stage 2 adds each other knob on
 top of the best of stage 1; stage 3 combines the knobs that helped and repeats the

@@ -10,484 +10,126 @@ Four measurements, all written to ``summary.json`` (docs/formats.md, Evaluation)
    prompt. Speedup = output tokens/s ratio (reported, meaningless on CPU).
 2. The same acceptance simulated on vLLM's own baseline outputs: the HF target captures
    the aux states of ``prompt + output``, the draft predicts its chains
-   (``Eagle3Draft.predict_chains``) and :func:`replay_greedy_speculation` replays greedy
-   speculative decoding round by round. This is the number that must agree with (1);
+   (``Eagle3Draft.predict_chains``) and ``replay_greedy_speculation`` replays greedy
+   speculative decoding round by round (eagle3flow/eval/replay.py). This is the number that must agree with (1);
    ``agreement = simulated / vLLM``.
 3. Teacher-forced per-step accuracy and simulated acceptance on the eval split
-   (``train.evaluate_split`` on the eval manifest).
+   (eagle3flow/train/eval_split.py on the eval manifest).
 4. The same for more prompt sets (MT-bench question files, answered turn by turn, or
-   any ``{"id", "messages"}`` file, per category) and more drafts side by side (one
+   any ``{"id", "messages"}`` file, per category: eagle3flow/eval/prompt_sets.py) and more drafts side by side (one
    vLLM engine per draft, all on the same baseline outputs), and the replayed
    acceptance length for every K up to the draft's TTT steps from the one baseline run
    (``acceptance_length_vs_k``); optionally vLLM itself at more Ks (``vllm_sweep_k``).
 
 Resumable: each vLLM run's result and each prompt's replay are kept next to
 ``summary.json`` (``vllm_baseline.json``, ``vllm_eagle3.json``, ``replay.jsonl``), keyed
-by a fingerprint of everything that determines them, and reused on a rerun.
+by a fingerprint of everything that determines them, and reused on a rerun
+(eagle3flow/eval/cache.py). The per-set numbers and their agreement:
+eagle3flow/eval/aggregate.py, eagle3flow/eval/agreement.py.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3flow.config import schema_defaults
-from eagle3flow.jsonl import iter_jsonl
-from eagle3flow.progress import Progress
+import torch
+
+from eagle3flow.export.load import load_exported_draft
 from eagle3flow.atomic import write_json
-from eagle3flow.serving.vllm_runner import run_vllm
+from eagle3flow.config import schema_defaults
+from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
+from eagle3flow.eval.agreement import compare_outputs
+from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
+from eagle3flow.eval.prompt_sets import load_prompt_set, longest_context
+from eagle3flow.eval.replay import REPLAY_VERSION, read_draft_config, resolve_precision, simulate_on_outputs
+from eagle3flow.progress import Progress
+from eagle3flow.train.eval_split import evaluate_split
 
 # The config's `evaluate` section with its defaults (schemas/config.schema.yaml).
 EVAL_DEFAULTS = schema_defaults("evaluate")
-# Bump when the replay's meaning changes, so cached per-prompt replays are not reused.
-REPLAY_VERSION = 2
 
 
-# ----------------------------------------------------------------------------- replay
+@dataclass
+class EvalOptions:
+    """The settings of :func:`evaluate`: the config's ``evaluate`` section (defaults: EVAL_DEFAULTS).
 
-def replay_greedy_speculation(chains, token_ids, prompt_len: int) -> dict:
-    """Replay greedy speculative decoding of one sequence against its known greedy output.
-
-    ``chains [T, K]``: target ids, ``chains[t, j]`` = the draft's guess for index
-    ``t+j+2`` given the target's states up to row ``t`` and ``token_ids[..t+1]``.
-    ``token_ids [T]`` = prompt + the target's greedy output; ``prompt_len`` = prompt length.
-
-    A round starts at ``p`` once the target has produced ``token_ids[p+1]`` (the first
-    round at ``p = prompt_len - 1``, after prefill). The draft proposes indices
-    ``p+2..p+K+1``; the accepted count ``n`` is the longest prefix equal to the actual
-    greedy tokens (never past the end of the output); the target then adds its own
-    token, so ``p += n + 1``. Rounds continue while a token remains to be generated.
-
-    Returns ``{"rounds", "accepted", "accepted_per_pos" [K], "per_round" [rounds]}``.
+    Prompt sets: ``eval`` (the held-out prompts, first ``num_prompts``; None: all) plus
+    ``prompt_sets {name: jsonl}`` and the ``optional_prompt_sets`` whose file exists
+    (:func:`load_prompt_set`; first ``prompt_set_num_prompts`` rows each). Drafts: the
+    main one (named ``draft_name``) plus ``compare_drafts {name: exported draft dir}``,
+    each served by vLLM at ``num_speculative_tokens`` (K) on every set and replayed for
+    K = 1..``replay_max_k`` (default K) on the baseline's outputs. ``vllm_sweep_k``: more
+    Ks every draft is served at (one engine each). ``agreement_tolerance``: how far
+    simulated / vLLM acceptance may be from 1. ``eval_split_max_tokens`` caps the eval
+    split's step accuracy.
     """
-    chains = chains.tolist() if hasattr(chains, "tolist") else [list(c) for c in chains]
-    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
-    total = len(ids)
-    if len(chains) != total:
-        raise ValueError(f"chains have {len(chains)} rows but the sequence has {total} tokens")
-    if not 1 <= prompt_len <= total:
-        raise ValueError(f"prompt_len {prompt_len} not in 1..{total}")
-    k = len(chains[0]) if chains else 0
-    per_round: list[int] = []
-    p = prompt_len - 1
-    while p + 2 <= total - 1:
-        row = chains[p]
-        n = 0
-        while n < k and p + 2 + n < total and row[n] == ids[p + 2 + n]:
-            n += 1
-        per_round.append(n)
-        p += n + 1
-    return {"rounds": len(per_round), "accepted": sum(per_round),
-            "accepted_per_pos": [sum(1 for n in per_round if n > j) for j in range(k)],
-            "per_round": per_round}
+    num_speculative_tokens: int = EVAL_DEFAULTS["num_speculative_tokens"]
+    max_tokens: int = EVAL_DEFAULTS["max_tokens"]
+    num_prompts: int | None = EVAL_DEFAULTS["num_prompts"]
+    device: str = EVAL_DEFAULTS["device"]
+    dtype: str = EVAL_DEFAULTS["dtype"]
+    max_model_len: int | None = EVAL_DEFAULTS["max_model_len"]
+    tensor_parallel_size: int | None = EVAL_DEFAULTS["tensor_parallel_size"]
+    vllm_python: str | None = EVAL_DEFAULTS["vllm_python"]
+    ignore_eos: bool = EVAL_DEFAULTS["ignore_eos"]
+    eval_split_max_tokens: int | None = EVAL_DEFAULTS["eval_split_max_tokens"]
+    agreement_tolerance: float = EVAL_DEFAULTS["agreement_tolerance"]
+    draft_name: str = EVAL_DEFAULTS["draft_name"]
+    prompt_sets: dict = field(default_factory=dict)
+    optional_prompt_sets: dict = field(default_factory=dict)
+    prompt_set_num_prompts: int | None = EVAL_DEFAULTS["prompt_set_num_prompts"]
+    compare_drafts: dict = field(default_factory=dict)
+    replay_max_k: int | None = EVAL_DEFAULTS["replay_max_k"]
+    vllm_sweep_k: list = field(default_factory=list)
 
 
-def acceptance_summary(rounds: int, accepted: int, accepted_per_pos: list[int]) -> dict:
-    """Acceptance length ``1 + accepted/rounds`` and per-position rates ``accepted_j / rounds``."""
-    return {
-        "acceptance_length": 1.0 + accepted / rounds if rounds else None,
-        "acceptance_rate_per_position": [a / rounds if rounds else None for a in accepted_per_pos],
-        "num_drafts": int(rounds),
-        "num_accepted_tokens": int(accepted),
-        "num_accepted_tokens_per_pos": [int(a) for a in accepted_per_pos],
-    }
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def _file_stamp(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-
-
-def _dir_stamp(path: Path) -> list:
-    """Cheap identity of a model dir: name, size and mtime of every file (never hashes weights)."""
-    path = Path(path)
-    return [_file_stamp(p) for p in sorted(path.iterdir()) if p.is_file()]
-
-
-def _fingerprint(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _read_draft_config(draft_dir: Path) -> dict:
-    config_file = Path(draft_dir) / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file}: missing; --draft must be an exported draft dir")
-    if not (Path(draft_dir) / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{draft_dir}/model.safetensors: missing")
-    with open(config_file) as f:
-        config = json.load(f)
-    if not config.get("eagle_aux_hidden_state_layer_ids"):
-        raise ValueError(f"{config_file}: no top-level eagle_aux_hidden_state_layer_ids")
-    return config
-
-
-def _resolve(device: str, dtype: str):
-    import torch
-
-    from eagle3flow.extract.extraction import resolve_dtype, resolve_device
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    return torch_device, torch_dtype, str(torch_dtype).replace("torch.", "")
-
-
-def _cached_vllm_run(name: str, request: dict, out_dir: Path, python: str | None) -> dict:
-    """Run vLLM unless ``out_dir/name.json`` already holds this request's result."""
-    out = out_dir / f"{name}.json"
-    key = _fingerprint(request)
-    if out.is_file():
-        try:
-            with open(out) as f:
-                cached = json.load(f)
-            if cached.get("request_fingerprint") == key:
-                print(f"evaluate: reusing {out}", file=sys.stderr, flush=True)
-                return cached
-        except ValueError:
-            pass
-    sets = request.get("sets") or [{"prompts": request.get("prompts") or []}]
-    generations = sum(len(s.get("prompts") or []) + sum(len(c["turns"]) for c in
-                                                        s.get("conversations") or [])
-                      for s in sets)
-    print(f"evaluate: vLLM {name} run, {generations} generations in {len(sets)} prompt sets "
-          f"(log: {out_dir / (name + '.log')})", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    result = run_vllm(request, out, python=python, log_path=out_dir / f"{name}.log")
-    result["request_fingerprint"] = key
-    write_json(out, result)
-    print(f"evaluate: vLLM {name} done in {time.monotonic() - t0:.0f}s "
-          f"({result['output_tokens_per_s']:.1f} output tokens/s)", file=sys.stderr, flush=True)
-    return result
-
-
-def compare_outputs(baseline: list[dict], speculative: list[dict]) -> dict:
-    """Greedy equality per prompt: ids that differ and where they first diverge."""
-    spec_by_id = {o["id"]: o["output_token_ids"] for o in speculative}
-    mismatched, first = [], {}
-    for o in baseline:
-        a, b = o["output_token_ids"], spec_by_id.get(o["id"])
-        if b is None or a != b:
-            mismatched.append(o["id"])
-            if b is not None:
-                first[o["id"]] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                                      min(len(a), len(b)))
-    return {"passed": not mismatched, "num_prompts": len(baseline),
-            "num_mismatched": len(mismatched), "mismatched_ids": mismatched,
-            "first_divergence": first}
-
-
-def _load_replays(path: Path, key: str) -> dict[str, dict]:
-    done = {}
-    if path.is_file():
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue   # a line cut by a kill; that prompt is simply redone
-                if row.get("fingerprint") == key:
-                    done[row["id"]] = row
-    return done
-
-
-def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
-                        device: str, dtype: str, replay_path: Path, key: str,
-                        loaded: dict | None = None, label: str = "replay") -> dict[str, dict]:
-    """Replay greedy speculation on each generation (prompt + its vLLM greedy output).
-
-    ``units``: ``[{"key", "prompt_token_ids", "output_token_ids"}]``. Per unit: ``aux
-    [T, A*H]`` from the HF target, ``chains [T, max_k]`` from the draft, then
-    :func:`replay_greedy_speculation` for every K in ``1..max_k`` on the chains' first K
-    columns: one draft pass gives the whole acceptance-vs-K curve, exactly as vLLM would
-    have accepted at that K. Each unit's result is appended to ``replay_path`` as soon as
-    it is done (resume). ``loaded`` keeps the HF target across drafts. Returns
-    ``{unit key: {"by_k": {"K": replay}}}``.
-    """
-    import torch
-
-    from eagle3flow.model.load import load_exported_draft
-    from eagle3flow.extract.hf import capture, load_target
-
-    done = _load_replays(replay_path, key)
-    todo = [u for u in units if u["key"] not in done]
-    if todo:
-        torch_device, torch_dtype, _ = _resolve(device, dtype)
-        aux_layer_ids = _read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
-        print(f"evaluate: {label} on {torch_device} ({torch_dtype}), aux layers {aux_layer_ids}, "
-              f"K=1..{max_k}, {len(done)} of {len(units)} generations cached",
-              file=sys.stderr, flush=True)
-        loaded = {} if loaded is None else loaded
-        target_key = (str(target_path), str(torch_dtype), str(torch_device))
-        if target_key not in loaded:
-            loaded[target_key] = load_target(target_path, torch_dtype, torch_device)
-        target = loaded[target_key]
-        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
-                                    device=torch_device).eval()
-        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
-                            done=len(done))
-        with open(replay_path, "a") as f:
-            for unit in todo:
-                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
-                input_ids = torch.tensor([ids], dtype=torch.long, device=torch_device)
-                aux, _ = capture(target, input_ids, torch.ones_like(input_ids), aux_layer_ids)
-                chains = draft.predict_chains(aux[0], input_ids[0], max_k).cpu()
-                row = {"id": unit["key"], "fingerprint": key, "by_k": {
-                    str(k): replay_greedy_speculation(chains[:, :k], ids,
-                                                      len(unit["prompt_token_ids"]))
-                    for k in range(1, max_k + 1)}}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                done[unit["key"]] = row
-                progress.update(1)
-        progress.close()
-    return {u["key"]: done[u["key"]] for u in units}
-
-
-def _round_agreement(replays: list[dict], speculative: list[dict]) -> dict | None:
-    """How many prompts' replayed rounds match vLLM's per-request accepted counts exactly.
-
-    vLLM counts, in a request's last round, draft tokens accepted past ``max_tokens``
-    (then cut), which the replay cannot see; rounds are compared without that last one.
-    """
-    by_id = {o["id"]: (o.get("spec_decode") or {}).get("per_step_accepted") for o in speculative}
-    if not any(by_id.values()):
-        return None
-    exact = prefix_equal = compared = 0
-    for r in replays:
-        served = by_id.get(r["id"])
-        if served is None:
-            continue
-        compared += 1
-        exact += served == r["per_round"]
-        prefix_equal += served[:-1] == r["per_round"][:-1]
-    return {"prompts_compared": compared, "prompts_rounds_equal": exact,
-            "prompts_rounds_equal_but_last": prefix_equal}
-
-
-def _per_prompt(replays: list[dict], baseline: list[dict], speculative: list[dict]) -> list[dict]:
-    spec_by_id = {o["id"]: o for o in speculative}
-    rows = []
-    for r, o in zip(replays, baseline):
-        served = (spec_by_id.get(o["id"], {}).get("spec_decode") or {}).get("per_step_accepted")
-        rows.append({"id": r["id"], "output_tokens": len(o["output_token_ids"]),
-                     "rounds": r["rounds"], "accepted": r["accepted"],
-                     "vllm_rounds": len(served) if served is not None else None,
-                     "vllm_accepted": sum(served) if served is not None else None})
-    return rows
-
-
-# ----------------------------------------------------------------------------- prompt sets
-
-def _render_messages(tokenizer, messages: list[dict]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)
-    return [int(t) for t in encoded["input_ids"]]
-
-
-def load_prompt_set(name: str, path, tokenizer, max_prompts: int | None = None) -> dict:
-    """Read a prompt file into a set the vLLM runner generates.
-
-    JSONL rows of either kind, mixed freely:
-
-    * ``{"id", "messages": [...], "category"?}``: one generation; the messages (before
-      the answer) are rendered here with the target's chat template.
-    * MT-bench questions ``{"question_id" | "id", "category"?, "turns": [str, ...],
-      "messages"?: [leading system messages]}``: answered turn by turn in vLLM; turn 2's
-      prompt holds turn 1's greedy answer.
-
-    A row's category defaults to the set's name. Returns ``{"name", "source", "prompts",
-    "conversations", "category_of": {prompt or conversation id: category}}``.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
-    prompts, conversations, category_of = [], [], {}
-    for where, row in iter_jsonl(path):
-        if max_prompts is not None and len(category_of) >= max_prompts:
-            break
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: not a JSON object")
-        row_id = row.get("question_id", row.get("id"))
-        if row_id is None:
-            raise ValueError(f"{where}: need an 'id' (or MT-bench 'question_id')")
-        row_id = str(row_id)
-        if row_id in category_of:
-            raise ValueError(f"{where}: id {row_id} appears twice")
-        turns, messages = row.get("turns"), row.get("messages")
-        if turns is not None:
-            if (not isinstance(turns, list) or not turns
-                    or not all(isinstance(t, str) and t for t in turns)):
-                raise ValueError(f"{where} (id {row_id}): 'turns' must be a non-empty list "
-                                 f"of non-empty strings")
-            conversations.append({"id": row_id, "turns": turns,
-                                  "messages": list(messages or [])})
-        elif isinstance(messages, list) and messages:
-            prompts.append({"id": row_id, "prompt_token_ids":
-                            _render_messages(tokenizer, messages)})
-        else:
-            raise ValueError(f"{where} (id {row_id}): need 'turns' (MT-bench) or a "
-                             f"non-empty 'messages' list")
-        category_of[row_id] = str(row.get("category") or name)
-    if not category_of:
-        raise ValueError(f"prompt set {name!r}: {path} has no prompts")
-    return {"name": name, "source": str(path), "prompts": prompts,
-            "conversations": conversations, "category_of": category_of}
-
-
-def _longest_context(prompt_set: dict, tokenizer, max_tokens: int) -> int:
-    """Tokens the longest generation of a set can need (prompt + answer): for a
-    conversation, its rendered user turns plus ``max_tokens`` per answer and some
-    slack for re-tokenizing the answers."""
-    longest = max((len(p["prompt_token_ids"]) + max_tokens for p in prompt_set["prompts"]),
-                  default=0)
-    for c in prompt_set["conversations"]:
-        messages = list(c["messages"])
-        for turn in c["turns"]:
-            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
-        longest = max(longest, len(_render_messages(tokenizer, messages[:-1]))
-                      + len(c["turns"]) * (max_tokens + 16))
-    return longest
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-def _vllm_acceptance(counters: dict, base_set: dict, spec_set: dict) -> dict:
-    acc = acceptance_summary(counters["num_drafts"], counters["num_accepted_tokens"],
-                             counters["num_accepted_tokens_per_pos"])
-    acc["num_draft_tokens"] = counters["num_draft_tokens"]
-    acc["draft_acceptance_rate"] = (counters["num_accepted_tokens"] / counters["num_draft_tokens"]
-                                    if counters["num_draft_tokens"] else None)
-    base_tps, spec_tps = base_set["output_tokens_per_s"], spec_set["output_tokens_per_s"]
-    acc.update(baseline_output_tokens_per_s=base_tps, eagle3_output_tokens_per_s=spec_tps,
-               speedup=spec_tps / base_tps if base_tps and spec_tps else None,
-               baseline_wall_time_s=base_set["wall_time_s"],
-               eagle3_wall_time_s=spec_set["wall_time_s"])
-    return acc
-
-
-def _replay_totals(replays: list[dict], k: int) -> dict:
-    rows = [r["by_k"][str(k)] for r in replays]
-    return acceptance_summary(sum(r["rounds"] for r in rows), sum(r["accepted"] for r in rows),
-                              [sum(r["accepted_per_pos"][j] for r in rows) for j in range(k)])
-
-
-def _per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict, k: int) -> dict:
-    """Accepted draft tokens per category, from vLLM's per-request counts and the replay."""
-    table: dict[str, dict] = {}
-    for o in spec_outputs:
-        cat = prompt_set["category_of"][o.get("conversation") or o["id"]]
-        row = table.setdefault(cat, {"generations": 0, "output_tokens": 0, "vllm_drafts": 0,
-                                     "vllm_accepted": 0, "replay_drafts": 0,
-                                     "replay_accepted": 0})
-        served = (o.get("spec_decode") or {}).get("per_step_accepted") or []
-        replay = replays[f"{prompt_set['name']}/{o['id']}"]["by_k"][str(k)]
-        row["generations"] += 1
-        row["output_tokens"] += len(o["output_token_ids"])
-        row["vllm_drafts"] += len(served)
-        row["vllm_accepted"] += sum(served)
-        row["replay_drafts"] += replay["rounds"]
-        row["replay_accepted"] += replay["accepted"]
-    for row in table.values():
-        for src in ("vllm", "replay"):
-            drafts = row[f"{src}_drafts"]
-            row[f"{src}_acceptance_length"] = (1 + row[f"{src}_accepted"] / drafts
-                                               if drafts else None)
-    return dict(sorted(table.items()))
-
-
-def _set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict, k: int,
-                max_k: int, tolerance: float) -> dict:
-    """Everything measured for one draft on one prompt set."""
-    name = prompt_set["name"]
-    set_replays = [replays[f"{name}/{o['id']}"] for o in base_set["outputs"]]
-    vllm_acc = _vllm_acceptance(spec_set["spec_decode"], base_set, spec_set)
-    simulated = _replay_totals(set_replays, k)
-    simulated["num_output_tokens"] = base_set["num_output_tokens"]
-    agreement = (simulated["acceptance_length"] / vllm_acc["acceptance_length"]
-                 if simulated["acceptance_length"] and vllm_acc["acceptance_length"] else None)
-    at_k = [{"id": o["id"], **r["by_k"][str(k)]} for o, r in zip(base_set["outputs"], set_replays)]
-    return {
-        "vllm": vllm_acc,
-        "lossless": compare_outputs(base_set["outputs"], spec_set["outputs"]),
-        "simulated": simulated,
-        "agreement": agreement,
-        "agreement_ok": agreement is not None and abs(agreement - 1.0) <= tolerance,
-        "round_agreement": _round_agreement(at_k, spec_set["outputs"]),
-        "acceptance_length_vs_k": {str(j): _replay_totals(set_replays, j)["acceptance_length"]
-                                   for j in range(1, max_k + 1)},
-        "per_category": _per_category(prompt_set, spec_set["outputs"], replays, k),
-        "per_prompt": _per_prompt(at_k, base_set["outputs"], spec_set["outputs"]),
-    }
-
-
-def _units(prompt_sets: list[dict], baseline: dict) -> list[dict]:
-    by_name = {s["name"]: s for s in baseline["sets"]}
-    return [{"key": f"{s['name']}/{o['id']}", "prompt_token_ids": o["prompt_token_ids"],
-             "output_token_ids": o["output_token_ids"]}
-            for s in prompt_sets for o in by_name[s["name"]]["outputs"]]
-
-
-def _safe_name(name: str) -> str:
+def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
-# ----------------------------------------------------------------------------- evaluate
-
 def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json,
-             num_speculative_tokens: int = EVAL_DEFAULTS["num_speculative_tokens"],
-             max_tokens: int = EVAL_DEFAULTS["max_tokens"],
-             num_prompts: int | None = EVAL_DEFAULTS["num_prompts"],
-             device: str = EVAL_DEFAULTS["device"], dtype: str = EVAL_DEFAULTS["dtype"],
-             max_model_len: int | None = None, tensor_parallel_size: int | None = None,
-             vllm_python: str | None = None, ignore_eos: bool = False,
-             eval_split_max_tokens: int | None = None,
-             agreement_tolerance: float = EVAL_DEFAULTS["agreement_tolerance"],
-             draft_name: str = EVAL_DEFAULTS["draft_name"],
-             prompt_sets: dict | None = None, prompt_set_num_prompts: int | None = None,
-             compare_drafts: dict | None = None, replay_max_k: int | None = None,
-             vllm_sweep_k: list | None = None, optional_prompt_sets: dict | None = None) -> dict:
+             options: EvalOptions | None = None) -> dict:
     """Run the whole evaluation and write ``out_json`` (summary); returns the summary dict.
 
-    Prompt sets: ``eval`` (the held-out prompts, first ``num_prompts``) plus
-    ``prompt_sets {name: jsonl}`` (:func:`load_prompt_set`; first
-    ``prompt_set_num_prompts`` rows each). Drafts: ``draft_dir`` (named ``draft_name``)
-    plus ``compare_drafts {name: exported draft dir}``, each served by vLLM at K on
-    every set and replayed for K = 1..``replay_max_k`` (default K) on the baseline's
-    outputs. ``vllm_sweep_k``: more Ks the main draft is served at (one engine each).
-    ``eval_manifest`` may be None to skip the eval-split step accuracy.
-
+    ``draft_dir``: the exported draft; ``eval_manifest`` may be None to skip the
+    eval-split step accuracy; everything else is ``options`` (:class:`EvalOptions`).
     The top-level ``vllm``/``simulated``/``lossless``/... keys are the main draft's on
     ``eval``; ``results[set][draft]`` holds every pair.
     """
+    # transformers is imported where it is used, as everywhere in the package: seconds
+    # to import, and the CLI's --help and the replay's pure functions need none of it.
     from transformers import AutoTokenizer
 
+    o = options or EvalOptions()
     draft_dir, target_path, out_json = Path(draft_dir), Path(target_path), Path(out_json)
-    k = int(num_speculative_tokens)
+    draft_name, max_tokens = o.draft_name, o.max_tokens
+    k = int(o.num_speculative_tokens)
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not Path(eval_prompts_jsonl).is_file():
         raise FileNotFoundError(f"{eval_prompts_jsonl}: eval prompts file missing")
-    max_k = max(k, int(replay_max_k or k))
-    sweep = sorted({int(x) for x in (vllm_sweep_k or [])})
+    max_k = max(k, int(o.replay_max_k or k))
+    sweep = sorted({int(x) for x in (o.vllm_sweep_k or [])})
     if any(x < 1 for x in sweep):
         raise ValueError(f"vllm_sweep_k: every K must be >= 1, got {sweep}")
     drafts = {draft_name: draft_dir}
-    for name, path in (compare_drafts or {}).items():
+    for name, path in (o.compare_drafts or {}).items():
         if name in drafts:
             raise ValueError(f"compare_drafts: name {name!r} is taken (the new draft is "
                              f"{draft_name!r}); pick another")
         drafts[name] = Path(path)
-    draft_configs = {name: _read_draft_config(path) for name, path in drafts.items()}
+    draft_configs = {name: read_draft_config(path) for name, path in drafts.items()}
     # Optional sets whose file is there (MT-bench beside a checkout), then the required ones.
-    extra_sets = {**{name: path for name, path in (optional_prompt_sets or {}).items() if Path(path).is_file()},
-                  **(prompt_sets or {})}
-    tensor_parallel_size = int(tensor_parallel_size or 1)
+    extra_sets = {**{name: path for name, path in (o.optional_prompt_sets or {}).items() if Path(path).is_file()},
+                  **(o.prompt_sets or {})}
+    tensor_parallel_size = int(o.tensor_parallel_size or 1)
     if "eval" in extra_sets:
         raise ValueError("prompt_sets: 'eval' is the held-out split's name; pick another")
     out_dir = out_json.parent
@@ -498,33 +140,34 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{target_path}: the tokenizer has no chat_template; cannot render "
                          f"the prompts")
-    sets = [load_prompt_set("eval", eval_prompts_jsonl, tokenizer, num_prompts)]
-    sets += [load_prompt_set(name, path, tokenizer, prompt_set_num_prompts)
+    sets = [load_prompt_set("eval", eval_prompts_jsonl, tokenizer, o.num_prompts)]
+    sets += [load_prompt_set(name, path, tokenizer, o.prompt_set_num_prompts)
              for name, path in extra_sets.items()]
-    longest = max(_longest_context(s, tokenizer, int(max_tokens)) for s in sets)
+    longest = max(longest_context(s, tokenizer, int(max_tokens)) for s in sets)
+    max_model_len = o.max_model_len
     if max_model_len is None:
         max_model_len = longest + max([k] + sweep) + 8
     elif longest > max_model_len:
         raise ValueError(f"max_model_len {max_model_len} < longest prompt + max_tokens "
                          f"({longest} tokens)")
-    torch_device, _, dtype_name = _resolve(device, dtype)
-    vllm_device = device if device == "auto" else torch_device.type
+    torch_device, _, dtype_name = resolve_precision(o.device, o.dtype)
+    vllm_device = o.device if o.device == "auto" else torch_device.type
     base_request = {
         "target": str(target_path.resolve()), "max_tokens": int(max_tokens),
         "sets": [{"name": s["name"], "prompts": s["prompts"],
                   "conversations": s["conversations"]} for s in sets],
         "max_model_len": int(max_model_len), "dtype": dtype_name, "device": vllm_device,
-        "tensor_parallel_size": int(tensor_parallel_size), "ignore_eos": bool(ignore_eos),
-        "target_stamp": _dir_stamp(target_path),   # only for the fingerprint
+        "tensor_parallel_size": int(tensor_parallel_size), "ignore_eos": bool(o.ignore_eos),
+        "target_stamp": dir_stamp(target_path),   # only for the fingerprint
     }
 
     def spec_request(path: Path, num_tokens: int) -> dict:
         return dict(base_request, speculative_config={
             "method": "eagle3", "model": str(Path(path).resolve()),
-            "num_speculative_tokens": int(num_tokens)}, draft_stamp=_dir_stamp(path))
+            "num_speculative_tokens": int(num_tokens)}, draft_stamp=dir_stamp(path))
 
     def run_name(name: str, num_tokens: int) -> str:
-        base = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{_safe_name(name)}"
+        base = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{safe_name(name)}"
         return base if num_tokens == k else f"{base}_k{num_tokens}"
 
     runs = [("vllm_baseline", base_request)]
@@ -534,22 +177,22 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     progress = Progress("evaluate[vLLM runs]", total=len(runs), unit="runs", interval=0)
     results = {}
     for name, request in runs:
-        results[name] = _cached_vllm_run(name, request, out_dir, vllm_python)
+        results[name] = cached_vllm_run(name, request, out_dir, o.vllm_python)
         progress.update(1, extra=name)
     progress.close()
     baseline = results["vllm_baseline"]
     base_sets = {s["name"]: s for s in baseline["sets"]}
 
     # Replays are keyed by what determines them: the baseline outputs, the draft, K, dtype.
-    units = _units(sets, baseline)
+    units = generation_units(sets, baseline)
     loaded: dict = {}
     by_draft = {}
     for name, path in drafts.items():
-        replay_key = _fingerprint([REPLAY_VERSION, baseline["request_fingerprint"],
-                                   _dir_stamp(path), max_k, dtype_name, torch_device.type])
+        replay_key = fingerprint([REPLAY_VERSION, baseline["request_fingerprint"],
+                                  dir_stamp(path), max_k, dtype_name, torch_device.type])
         replay_file = ("replay.jsonl" if name == draft_name
-                       else f"replay_{_safe_name(name)}.jsonl")
-        by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, device, dtype,
+                       else f"replay_{safe_name(name)}.jsonl")
+        by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
                                              label=f"replay {name}")
     loaded.clear()
@@ -559,27 +202,17 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         per_set[s["name"]] = {}
         for name in drafts:
             spec_sets = {x["name"]: x for x in results[run_name(name, k)]["sets"]}
-            per_set[s["name"]][name] = _set_result(s, base_sets[s["name"]],
-                                                   spec_sets[s["name"]], by_draft[name], k,
-                                                   max_k, agreement_tolerance)
-    # vLLM itself at every swept K, for every draft: {set: {draft: {K: acceptance}}}.
-    k_sweep_by_draft = {}
-    for s in sets:
-        k_sweep_by_draft[s["name"]] = {}
-        for name in drafts:
-            by_k = k_sweep_by_draft[s["name"]][name] = {}
-            for x in sweep:
-                spec_set = {y["name"]: y for y in results[run_name(name, x)]["sets"]}[s["name"]]
-                acc = _vllm_acceptance(spec_set["spec_decode"], base_sets[s["name"]], spec_set)
-                acc["lossless"] = compare_outputs(base_sets[s["name"]]["outputs"],
-                                                  spec_set["outputs"])["passed"]
-                by_k[str(x)] = acc
+            per_set[s["name"]][name] = set_result(s, base_sets[s["name"]],
+                                                  spec_sets[s["name"]], by_draft[name], k,
+                                                  max_k, o.agreement_tolerance)
+    k_sweep_by_draft = vllm_k_sweep(sets, drafts, sweep, base_sets,
+                                    {(name, x): results[run_name(name, x)] for name in drafts for x in sweep})
     k_sweep = {set_name: by_name[draft_name] for set_name, by_name in k_sweep_by_draft.items()}
 
     eval_split = None
     if eval_manifest is not None:
-        eval_split = _evaluate_split(draft_dir, target_path, eval_manifest, max_k, torch_device,
-                                     eval_split_max_tokens)
+        eval_split = evaluate_eval_split(draft_dir, target_path, eval_manifest, max_k, torch_device,
+                                         o.eval_split_max_tokens)
 
     main = per_set["eval"][draft_name]
     speculative = results["vllm_eagle3"]
@@ -589,7 +222,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "max_tokens": int(max_tokens), "replay_max_k": max_k, "vllm_sweep_k": sweep,
             "max_model_len": int(max_model_len), "device": speculative["device"],
             "replay_device": torch_device.type, "dtype": dtype_name,
-            "tensor_parallel_size": int(tensor_parallel_size), "ignore_eos": bool(ignore_eos),
+            "tensor_parallel_size": int(tensor_parallel_size), "ignore_eos": bool(o.ignore_eos),
             "vllm_version": speculative["vllm_version"], "draft": str(draft_dir),
             "target": str(target_path), "eval_prompts": str(eval_prompts_jsonl),
             "eval_manifest": str(eval_manifest) if eval_manifest is not None else None,
@@ -615,7 +248,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "simulated": main["simulated"],
         "acceptance_length_vs_k": main["acceptance_length_vs_k"],
         "agreement": main["agreement"],
-        "agreement_tolerance": agreement_tolerance,
+        "agreement_tolerance": o.agreement_tolerance,
         "agreement_ok": main["agreement_ok"],
         "round_agreement": main["round_agreement"],
         "eval_split": eval_split,
@@ -627,17 +260,30 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     return summary
 
 
-def _evaluate_split(draft_dir: Path, target_path: Path, eval_manifest, k: int, torch_device,
-                    max_tokens: int | None) -> dict:
-    import torch
+def vllm_k_sweep(sets: list[dict], drafts: dict, sweep: list[int], base_sets: dict, runs: dict) -> dict:
+    """vLLM itself at every swept K, for every draft: ``{set: {draft: {K: acceptance}}}``;
+    ``runs[(draft, K)]``: that engine run's result."""
+    k_sweep_by_draft = {}
+    for s in sets:
+        k_sweep_by_draft[s["name"]] = {}
+        for name in drafts:
+            by_k = k_sweep_by_draft[s["name"]][name] = {}
+            for x in sweep:
+                spec_set = {y["name"]: y for y in runs[(name, x)]["sets"]}[s["name"]]
+                acc = vllm_acceptance(spec_set["spec_decode"], base_sets[s["name"]], spec_set)
+                acc["lossless"] = compare_outputs(base_sets[s["name"]]["outputs"],
+                                                  spec_set["outputs"])["passed"]
+                by_k[str(x)] = acc
+    return k_sweep_by_draft
 
-    from eagle3flow.model.load import load_exported_draft
-    from eagle3flow.train.trainer import evaluate_split
 
+def evaluate_eval_split(draft_dir: Path, target_path: Path, eval_manifest, k: int, torch_device,
+                        max_tokens: int | None) -> dict:
+    """Teacher-forced step accuracy and simulated acceptance on the eval split (measurement 3)."""
     print(f"evaluate: step accuracy on {eval_manifest}", file=sys.stderr, flush=True)
     # float32 like training's own eval, so the numbers compare with metrics.jsonl.
     draft = load_exported_draft(draft_dir, target_path, dtype=torch.float32,
-                                device=torch_device).eval()
+                                      device=torch_device).eval()
     return evaluate_split(draft, eval_manifest, k, max_tokens=max_tokens)
 
 
@@ -736,7 +382,7 @@ def main(argv=None) -> None:
     if config["num_prompts"] is not None and int(config["num_prompts"]) <= 0:
         config["num_prompts"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    evaluate(args.draft, args.target, args.eval_prompts, args.eval_manifest, args.out, **config)
+    evaluate(args.draft, args.target, args.eval_prompts, args.eval_manifest, args.out, EvalOptions(**config))
 
 
 if __name__ == "__main__":

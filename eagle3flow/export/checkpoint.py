@@ -24,7 +24,7 @@ from eagle3flow.model.config import DraftConfig, exported_param_names
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.config import load_target_config, read_config_file
 from eagle3flow.target.weights import target_dtype
-from eagle3flow.train.trainer import load_vocab_map
+from eagle3flow.train.build import load_vocab_map
 
 
 FORMATS = ("eagle3", "speculators")

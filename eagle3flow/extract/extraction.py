@@ -10,7 +10,6 @@ writes the manifest with :meth:`Extraction.write_manifest`.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3flow.device import resolve_device
 from eagle3flow.atomic import write_json
 from eagle3flow.extract import shards
 from eagle3flow.extract.cache import (WEIGHT_SUFFIXES, cached_entries, cached_sha256, fingerprint,
@@ -59,12 +59,6 @@ def read_target_config(target_path: str | os.PathLike) -> dict:
         if key not in text:
             raise ValueError(f"{config_file}: no '{key}' (nor text_config.{key})")
     return text
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -41,7 +41,6 @@ from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extrac
 from eagle3flow.extract.shard_plan import ShardPlan
 from eagle3flow.extract.throughput import record_throughput, throughput_path
 from eagle3flow.progress import Progress
-from eagle3flow.target.config import load_target_config
 
 # Shard-sized host buffers in rotation. A buffer is held for compute + write of its
 # shard, so with compute ~= write, 2 leave no slack (measured 0.82 of the bound on an

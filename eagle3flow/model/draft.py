@@ -38,7 +38,7 @@ view of the packed rows; every other op runs on the packed rows.
 
 This module is the head and its forward only (one concept; most of its length is the
 fused TTT step): its config is eagle3flow/model/config.py, loading an exported draft
-eagle3flow/model/load.py. No I/O, no parallelism.
+eagle3flow/export/load.py. No I/O, no parallelism.
 """
 from __future__ import annotations
 

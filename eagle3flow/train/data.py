@@ -144,6 +144,24 @@ def plan_batches(data: ShardData, order: list[tuple[int, int]], batch_tokens: in
     return batches
 
 
+class EpochPlans:
+    """The batch plan of each epoch of a run (:func:`plan_batches` on :func:`epoch_order`),
+    the last one computed kept. ``first_epoch`` numbers the run's first epoch: a chained run
+    (``--data-epoch``) shuffles as that epoch of the chain."""
+
+    def __init__(self, data: ShardData, seed: int, batch_tokens: int, first_epoch: int = 0):
+        self.data, self.seed, self.batch_tokens, self.first_epoch = data, seed, batch_tokens, first_epoch
+        self.cached: dict[int, list[list[tuple[int, int]]]] = {}
+
+    def __call__(self, epoch: int) -> list[list[tuple[int, int]]]:
+        if epoch not in self.cached:
+            self.cached.clear()
+            seed_epoch = self.first_epoch + epoch
+            self.cached[epoch] = plan_batches(self.data, epoch_order(self.data, self.seed, seed_epoch),
+                                              self.batch_tokens, seed=f"{self.seed}-epoch-{seed_epoch}")
+        return self.cached[epoch]
+
+
 def rank_share(batch: list[tuple[int, int]], lengths: list[list[int]], rank: int,
                world_size: int) -> list[tuple[int, int]]:
     """The samples of a global ``batch`` that ``rank`` trains on, in the batch's order.

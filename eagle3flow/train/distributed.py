@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from eagle3flow.device import resolve_device
+
 # Rank 0 evaluates the eval split at checkpoints while the others wait at the next
 # collective: the default 10-minute NCCL timeout would be too short for a large split.
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
@@ -65,17 +67,8 @@ def init_distributed(device_name: str) -> DistContext:
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device is cuda but torch sees no CUDA device")
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} but only {torch.cuda.device_count()} CUDA "
-                               f"devices visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = resolve_device(device_name, local_rank)
+    use_cuda = device.type == "cuda"
     if world_size > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
     if world_size > 1 and not dist.is_initialized():

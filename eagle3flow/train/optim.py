@@ -118,3 +118,19 @@ class Schedule:
     def load_state_dict(self, state: dict) -> None:
         self.last_step, self.peaks = int(state["last_step"]), list(state["peaks"])
         self._apply()
+
+
+def build_schedule(optimizers: Optimizers, cfg: dict, total_steps: int, schedule_tokens: int | None,
+                   tokens_done) -> Schedule:
+    """The run's LR schedule over ``total_steps``, or, for a chained run, over
+    ``schedule_tokens`` (every link's) driven by ``tokens_done()``, the tokens the chain has
+    trained so far."""
+    if schedule_tokens is None:
+        warmup = max(1, int(round(cfg["warmup_ratio"] * total_steps)))
+        return Schedule(optimizers, lr_factor(cfg["lr_schedule"], total_steps, warmup, cfg["min_lr_ratio"]))
+    # The chain's step count is not known before every partition is extracted; its
+    # tokens are. The schedule runs on "virtual steps" of batch_tokens tokens each.
+    virtual_steps = schedule_tokens / cfg["batch_tokens"]
+    warmup = max(1, int(round(cfg["warmup_ratio"] * virtual_steps)))
+    by_tokens = lr_factor(cfg["lr_schedule"], virtual_steps, warmup, cfg["min_lr_ratio"])
+    return Schedule(optimizers, lambda _step: by_tokens(tokens_done() / cfg["batch_tokens"]))

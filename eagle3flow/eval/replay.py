@@ -1,0 +1,156 @@
+"""Greedy speculative decoding replayed on known greedy outputs: the simulated acceptance
+that must agree with vLLM's own (eagle3flow/eval/evaluate.py, measurement 2).
+
+The HF target captures the aux states of ``prompt + output``, the draft predicts its
+chains (``Eagle3Draft.predict_chains``) and :func:`replay_greedy_speculation` replays
+the rounds. Each generation's replay is appended to a ``replay*.jsonl`` keyed by a
+fingerprint of what determines it, so a rerun redoes only what is missing.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from eagle3flow.export.load import load_exported_draft
+from eagle3flow.device import resolve_device
+from eagle3flow.extract.extraction import resolve_dtype
+from eagle3flow.extract.hf import capture, load_target
+from eagle3flow.progress import Progress
+
+# Bump when the replay's meaning changes, so cached per-prompt replays are not reused.
+REPLAY_VERSION = 2
+
+
+def replay_greedy_speculation(chains, token_ids, prompt_len: int) -> dict:
+    """Replay greedy speculative decoding of one sequence against its known greedy output.
+
+    ``chains [T, K]``: target ids, ``chains[t, j]`` = the draft's guess for index
+    ``t+j+2`` given the target's states up to row ``t`` and ``token_ids[..t+1]``.
+    ``token_ids [T]`` = prompt + the target's greedy output; ``prompt_len`` = prompt length.
+
+    A round starts at ``p`` once the target has produced ``token_ids[p+1]`` (the first
+    round at ``p = prompt_len - 1``, after prefill). The draft proposes indices
+    ``p+2..p+K+1``; the accepted count ``n`` is the longest prefix equal to the actual
+    greedy tokens (never past the end of the output); the target then adds its own
+    token, so ``p += n + 1``. Rounds continue while a token remains to be generated.
+
+    Returns ``{"rounds", "accepted", "accepted_per_pos" [K], "per_round" [rounds]}``.
+    """
+    chains = chains.tolist() if hasattr(chains, "tolist") else [list(c) for c in chains]
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+    total = len(ids)
+    if len(chains) != total:
+        raise ValueError(f"chains have {len(chains)} rows but the sequence has {total} tokens")
+    if not 1 <= prompt_len <= total:
+        raise ValueError(f"prompt_len {prompt_len} not in 1..{total}")
+    k = len(chains[0]) if chains else 0
+    per_round: list[int] = []
+    p = prompt_len - 1
+    while p + 2 <= total - 1:
+        row = chains[p]
+        n = 0
+        while n < k and p + 2 + n < total and row[n] == ids[p + 2 + n]:
+            n += 1
+        per_round.append(n)
+        p += n + 1
+    return {"rounds": len(per_round), "accepted": sum(per_round),
+            "accepted_per_pos": [sum(1 for n in per_round if n > j) for j in range(k)],
+            "per_round": per_round}
+
+
+def acceptance_summary(rounds: int, accepted: int, accepted_per_pos: list[int]) -> dict:
+    """Acceptance length ``1 + accepted/rounds`` and per-position rates ``accepted_j / rounds``."""
+    return {
+        "acceptance_length": 1.0 + accepted / rounds if rounds else None,
+        "acceptance_rate_per_position": [a / rounds if rounds else None for a in accepted_per_pos],
+        "num_drafts": int(rounds),
+        "num_accepted_tokens": int(accepted),
+        "num_accepted_tokens_per_pos": [int(a) for a in accepted_per_pos],
+    }
+
+
+
+def read_draft_config(draft_dir: Path) -> dict:
+    config_file = Path(draft_dir) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: missing; --draft must be an exported draft dir")
+    if not (Path(draft_dir) / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{draft_dir}/model.safetensors: missing")
+    with open(config_file) as f:
+        config = json.load(f)
+    if not config.get("eagle_aux_hidden_state_layer_ids"):
+        raise ValueError(f"{config_file}: no top-level eagle_aux_hidden_state_layer_ids")
+    return config
+
+
+
+def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, str]:
+    """The replay's device and dtype for the ``evaluate`` settings, and the dtype's name."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    return torch_device, torch_dtype, str(torch_dtype).replace("torch.", "")
+
+
+def load_replays(path: Path, key: str) -> dict[str, dict]:
+    done = {}
+    if path.is_file():
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue   # a line cut by a kill; that prompt is simply redone
+                if row.get("fingerprint") == key:
+                    done[row["id"]] = row
+    return done
+
+
+def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
+                        device: str, dtype: str, replay_path: Path, key: str,
+                        loaded: dict | None = None, label: str = "replay") -> dict[str, dict]:
+    """Replay greedy speculation on each generation (prompt + its vLLM greedy output).
+
+    ``units``: ``[{"key", "prompt_token_ids", "output_token_ids"}]``. Per unit: ``aux
+    [T, A*H]`` from the HF target, ``chains [T, max_k]`` from the draft, then
+    :func:`replay_greedy_speculation` for every K in ``1..max_k`` on the chains' first K
+    columns: one draft pass gives the whole acceptance-vs-K curve, exactly as vLLM would
+    have accepted at that K. Each unit's result is appended to ``replay_path`` as soon as
+    it is done (resume). ``loaded`` keeps the HF target across drafts. Returns
+    ``{unit key: {"by_k": {"K": replay}}}``.
+    """
+    done = load_replays(replay_path, key)
+    todo = [u for u in units if u["key"] not in done]
+    if todo:
+        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
+        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
+        print(f"evaluate: {label} on {torch_device} ({torch_dtype}), aux layers {aux_layer_ids}, "
+              f"K=1..{max_k}, {len(done)} of {len(units)} generations cached",
+              file=sys.stderr, flush=True)
+        loaded = {} if loaded is None else loaded
+        target_key = (str(target_path), str(torch_dtype), str(torch_device))
+        if target_key not in loaded:
+            loaded[target_key] = load_target(target_path, torch_dtype, torch_device)
+        target = loaded[target_key]
+        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
+                                          device=torch_device).eval()
+        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
+                            done=len(done))
+        with open(replay_path, "a") as f:
+            for unit in todo:
+                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
+                input_ids = torch.tensor([ids], dtype=torch.long, device=torch_device)
+                aux, _ = capture(target, input_ids, torch.ones_like(input_ids), aux_layer_ids)
+                chains = draft.predict_chains(aux[0], input_ids[0], max_k).cpu()
+                row = {"id": unit["key"], "fingerprint": key, "by_k": {
+                    str(k): replay_greedy_speculation(chains[:, :k], ids,
+                                                      len(unit["prompt_token_ids"]))
+                    for k in range(1, max_k + 1)}}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                done[unit["key"]] = row
+                progress.update(1)
+        progress.close()
+    return {u["key"]: done[u["key"]] for u in units}
