@@ -1,12 +1,9 @@
-"""Reading JSONL with errors that name the file and line; joining JSONL files."""
+"""Reading JSONL with errors that name the file and line."""
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
-
-from eagle3flow.atomic import write_text
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, object]]:
@@ -21,13 +18,3 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, object]]:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not JSON ({e})") from None
-
-
-def concat_jsonl(sources: list[str | os.PathLike], out: str | os.PathLike) -> None:
-    """Write the non-blank lines of ``sources`` (missing files skipped), in order, to
-    ``out`` atomically."""
-    lines = []
-    for src in sources:
-        if Path(src).is_file():
-            lines.extend(line for line in Path(src).read_text().splitlines() if line.strip())
-    write_text(out, "".join(line + "\n" for line in lines))

@@ -37,19 +37,28 @@ REPO = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------- fast
 
-def test_partition_plan_is_extractions():
-    """The plan projects partitions without torch; they must be extraction's own."""
-    import numpy as np
+def test_partition_plan_is_extractions(tmp_path):
+    """The plan projects partitions from the dataset without torch; they must be the ones
+    extraction plans (the same rows cut to max_length, the same shard and partition split)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 
     rng = random.Random(0)
+    dataset = tmp_path / "results" / "dataset" / "train.parquet"
+    dataset.parent.mkdir(parents=True)
     for _ in range(20):
         lengths = [rng.randint(1, 600) for _ in range(rng.randint(1, 300))]
         shard_tokens, count = rng.choice([256, 1000, 4096]), rng.randint(1, 6)
-        shards = plan_shards(np.array(lengths), shard_tokens)
-        expected = [sum(s.num_tokens for s in part) for part in plan_partitions(shards, count)]
-        assert streaming.partition_tokens(streaming.plan_shard_tokens(lengths, shard_tokens), count) == expected
+        max_length = rng.choice([None, 300, 512])
+        pq.write_table(pa.table({"num_tokens": lengths}), dataset)
+        config = {"paths": {"results": "results"}, "dataset": {"max_length": max_length},
+                  "extract": {"shard_tokens": shard_tokens, "partitions": count}}
+        kept = [min(n, max_length) if max_length else n for n in lengths]
+        expected = [sum(s.num_tokens for s in part) for part in plan_partitions(plan_shards(kept, shard_tokens), count)]
+        assert streaming.train_partition_tokens(config, tmp_path, {}) == expected
+        assert sum(expected) == sum(kept)
 
 
 def test_chain_from_budget():

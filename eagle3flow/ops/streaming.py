@@ -44,7 +44,8 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
-from eagle3flow.jsonl import concat_jsonl
+from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
+from eagle3flow.extract.throughput import THROUGHPUT_FILE, merge_throughput_logs, throughput_path
 
 CHAIN_FILE = "chain.json"
 
@@ -91,32 +92,6 @@ class Chain:
 
 # ----------------------------------------------------------------------------- partitions
 
-def plan_shard_tokens(lengths: list[int], shard_tokens: int) -> list[int]:
-    """Tokens per shard as eagle3flow.extract.hf.plan_shards plans them (without torch):
-    consecutive rows, a shard closes once it holds >= ``shard_tokens``."""
-    out, tokens = [], 0
-    for n in lengths:
-        tokens += n
-        if tokens >= shard_tokens:
-            out.append(tokens)
-            tokens = 0
-    if tokens:
-        out.append(tokens)
-    return out
-
-
-def partition_tokens(shard_tokens: list[int], count: int) -> list[int]:
-    """Tokens per partition as eagle3flow.extract.hf.plan_partitions splits the shards:
-    a shard goes to the partition its token midpoint falls in."""
-    total = sum(shard_tokens)
-    parts = [0] * count
-    done = 0
-    for n in shard_tokens:
-        parts[min(count - 1, int((done + n / 2) * count / total))] += n
-        done += n
-    return parts
-
-
 def train_partition_tokens(config: dict, root: Path, target: dict) -> list[int] | None:
     """Exact tokens of each train partition from ``results/dataset/train.parquet`` (its
     ``num_tokens`` column, cut to max_length and the target's context), or None before
@@ -132,8 +107,10 @@ def train_partition_tokens(config: dict, root: Path, target: dict) -> list[int] 
     drop = config["dataset"].get("length_policy") == "drop"
     if limit:
         lengths = [0 if (drop and n > limit) else min(n, limit) for n in lengths]
-    shards = plan_shard_tokens(lengths, int(config["extract"]["shard_tokens"]))
-    return partition_tokens(shards, int(config["extract"]["partitions"])) if shards else None
+    shards = plan_shards(lengths, int(config["extract"]["shard_tokens"]))
+    if not shards:
+        return None
+    return [sum(s.num_tokens for s in part) for part in plan_partitions(shards, int(config["extract"]["partitions"]))]
 
 
 # ----------------------------------------------------------------------------- chain state
@@ -318,9 +295,8 @@ def record_manifest(markers: list[Path], out: Path) -> dict:
             record[key] = sum(int(d["manifest"].get(key, 0)) for d in parts)
     record["streamed"] = {"partitions": len(parts), "shards_deleted": True,
                           "consumed": [str(p) for p in markers]}
-    logs = [Path(d["manifest_path"]).with_name(f"{Path(d['manifest_path']).stem}.throughput.jsonl")
-            for d in parts]
-    concat_jsonl(logs, out.parent / "throughput.jsonl")
+    merge_throughput_logs([throughput_path(Path(d["manifest_path"])) for d in parts],
+                          out.parent / THROUGHPUT_FILE)
     write_json(out, record)
     log(f"{len(parts)} consumed partitions ({record['num_tokens']:,} tokens, "
         f"{len(record['shards'])} shards, deleted) recorded in {out}")
