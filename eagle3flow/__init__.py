@@ -1,5 +1,6 @@
 """eagle3flow: the logic behind the Snakemake workflow that trains EAGLE-3 drafts.
 
-One module per concept; each stage module has a ``main(argv)`` the rules call as
-``python -m eagle3flow.<module>``. See docs/formats.md for every artifact's layout.
+One folder per role (docs/architecture.md draws the tree and its one-way dependencies);
+each stage's module has a ``main(argv)`` that its rule calls as
+``python -m eagle3flow.<role>.<module>``. docs/formats.md gives every artifact's layout.
 """
