@@ -13,6 +13,12 @@ def schema() -> dict:
     return yaml.safe_load(config_lib.SCHEMA.read_text())
 
 
+def dataclasses_missing():
+    import dataclasses
+
+    return dataclasses.MISSING
+
+
 def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.eval.evaluate import EVAL_DEFAULTS, EvalOptions
     from eagle3flow.data.regenerate import DEFAULTS
@@ -29,6 +35,16 @@ def test_every_stage_takes_its_defaults_from_the_schema():
     for key in ("num_speculative_tokens", "max_tokens", "num_prompts", "agreement_tolerance", "draft_name"):
         assert signature[key].default == EVAL_DEFAULTS[key], key
     assert schema_defaults("train") is not schema_defaults("train"), "callers get their own copy"
+    # the dataset stage's (eval_fraction drifted to 0.02 once)
+    from dataclasses import fields
+
+    from eagle3flow.data.dataset import DatasetConfig
+
+    dataset = sections["dataset"]["properties"]
+    for f in fields(DatasetConfig):
+        if f.name in dataset:
+            default = f.default_factory() if f.default_factory is not dataclasses_missing() else f.default
+            assert default == dataset[f.name].get("default"), f"dataset.{f.name}"
 
 
 def test_command_line_strings_are_typed_as_the_schema_says():

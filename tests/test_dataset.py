@@ -220,7 +220,7 @@ def test_instruction_and_sharegpt_formats_from_a_directory(tokenizer_dirs, tmp_p
 def test_sharegpt_dummy_conversations(tokenizer_dirs, tmp_path):
     out = tmp_path / "out"
     start = time.perf_counter()
-    stats = prepare_dataset(str(SHAREGPT), tokenizer_dirs["llama3"], out, DatasetConfig(max_samples=120))
+    stats = prepare_dataset(str(SHAREGPT), tokenizer_dirs["llama3"], out, DatasetConfig(max_samples=120, eval_fraction=0.02))
     elapsed = time.perf_counter() - start
     check_outputs(out, tokenizer_dirs["llama3"])
     assert stats["sources"][0]["format"] == "sharegpt" and stats["rows"]["total"] == 500

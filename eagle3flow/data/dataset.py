@@ -40,6 +40,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3flow.config import schema_defaults
 from eagle3flow.data.chat_masks import ChatMasker, load_tokenizer
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
@@ -52,18 +53,22 @@ from eagle3flow.progress import Progress
 OUTPUT_FILES = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
 
 
+DATASET_DEFAULTS = schema_defaults("dataset")
+
+
 @dataclass
 class DatasetConfig:
-    format: str = "auto"
-    max_length: int | None = 2048
-    length_policy: str = "truncate"
-    eval_fraction: float = 0.02
-    seed: int = 0
-    max_bad_fraction: float = 0.01
-    max_samples: int | None = None
-    split: str = "train"
-    chat_template_kwargs: dict = field(default_factory=dict)
-    num_workers: int = 1
+    """The ``dataset`` section's keys this stage takes; defaults from the schema."""
+    format: str = DATASET_DEFAULTS["format"]
+    max_length: int | None = DATASET_DEFAULTS["max_length"]
+    length_policy: str = DATASET_DEFAULTS["length_policy"]
+    eval_fraction: float = DATASET_DEFAULTS["eval_fraction"]
+    seed: int = DATASET_DEFAULTS["seed"]
+    max_bad_fraction: float = DATASET_DEFAULTS["max_bad_fraction"]
+    max_samples: int | None = DATASET_DEFAULTS["max_samples"]
+    split: str = "train"  # of a Hub dataset; not a workflow key
+    chat_template_kwargs: dict = field(default_factory=lambda: dict(DATASET_DEFAULTS["chat_template_kwargs"]))
+    num_workers: int = DATASET_DEFAULTS["num_workers"]
 
     def validate(self) -> None:
         if self.format not in FORMATS:
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python -m eagle3flow.data.dataset --input PATH_OR_HUB_ID --tokenizer TARGET_DIR \\
         --out-dir results/dataset [--format auto] [--max-length 2048] \\
-        [--length-policy truncate] [--eval-fraction 0.02] [--seed 0] \\
+        [--length-policy truncate] [--eval-fraction 0.05] [--seed 0] \\
         [--max-bad-fraction 0.01] [--max-samples N] [--split train] \\
         [--chat-template-kwargs '{"enable_thinking": false}'] [--num-workers 1]
     """

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3flow.config import schema_defaults
 from eagle3flow.atomic import write_json
 from eagle3flow.extract import shards
 from eagle3flow.extract import vllm as vllm_backend
@@ -57,6 +58,8 @@ def decoder_layers(base_model: torch.nn.Module) -> torch.nn.ModuleList:
         if isinstance(layers, torch.nn.ModuleList):
             return layers
     raise TypeError(f"cannot find the decoder layers of {type(base_model).__name__}")
+
+EXTRACT_DEFAULTS = schema_defaults("extract")  # the CLI's defaults are the workflow's
 
 
 def _record_layer_input(store: dict, layer_id: int, module, args, kwargs):
@@ -422,21 +425,21 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-root", required=True, help="shards go to CACHE_ROOT/<fingerprint>/")
     parser.add_argument("--aux-layer-ids", default=None,
                         help="comma-separated; id k = input of decoder layer k (default: [2, N//2, N-3])")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
+    parser.add_argument("--dtype", default=EXTRACT_DEFAULTS["dtype"], help="auto (float32 on CPU, bfloat16 on CUDA), "
                                                         "float32, bfloat16, float16")
-    parser.add_argument("--storage-dtype", default="auto",
+    parser.add_argument("--storage-dtype", default=EXTRACT_DEFAULTS["storage_dtype"],
                         help="auto (= --dtype) or fp8 (float8_e4m3fn, per-token scales: half the disk)")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    parser.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward")
-    parser.add_argument("--shard-tokens", type=int, default=32768, help="tokens per shard file")
+    parser.add_argument("--device", default=EXTRACT_DEFAULTS["device"], help="auto (cuda if available), cpu, cuda, cuda:N")
+    parser.add_argument("--batch-tokens", type=int, default=EXTRACT_DEFAULTS["batch_tokens"], help="padded tokens per forward")
+    parser.add_argument("--shard-tokens", type=int, default=EXTRACT_DEFAULTS["shard_tokens"], help="tokens per shard file")
     parser.add_argument("--max-length", type=int, default=None,
                         help="longest sample (the target's context caps it too)")
     parser.add_argument("--length-policy", choices=LENGTH_POLICIES, default="truncate",
                         help="samples over the longest: cut them or leave them out")
     parser.add_argument("--partition", type=int, default=0, help="this job's partition (0-based)")
-    parser.add_argument("--partitions", type=int, default=1, help="number of partitions")
+    parser.add_argument("--partitions", type=int, default=EXTRACT_DEFAULTS["partitions"], help="number of partitions")
     parser.add_argument("--split-name", action="append", default=None)
-    parser.add_argument("--backend", choices=("auto", "hf", "vllm"), default="hf",
+    parser.add_argument("--backend", choices=("auto", "hf", "vllm"), default=EXTRACT_DEFAULTS["backend"],
                         help="hf: transformers in this process (one device); vllm: a vLLM engine "
                              "(eagle3flow/extract/vllm.py), tensor parallel; auto: vllm when this job "
                              "sees several CUDA devices, else hf")
