@@ -25,8 +25,8 @@ def checkout(tmp_path) -> Path:
     root = tmp_path / "repo"
     for name in ("scripts", "envs", "profiles"):
         shutil.copytree(REPO / name, root / name)
-    (root / "eagle3flow").mkdir()
-    shutil.copy2(REPO / "eagle3flow" / "gpu_env.py", root / "eagle3flow" / "gpu_env.py")
+    (root / "eagle3flow" / "ops").mkdir(parents=True)
+    shutil.copy2(REPO / "eagle3flow" / "ops" / "gpu_env.py", root / "eagle3flow" / "ops" / "gpu_env.py")
     shutil.copy2(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
 
