@@ -24,7 +24,6 @@ from pathlib import Path
 import yaml
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
-SCALARS = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
 
 
 def _types(schema: dict) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from eagle3flow.atomic import write_json
 from eagle3flow.ops import plan as plan_lib
 
 PLAN_DIR = f"{RESULTS}/plan"
@@ -20,7 +21,7 @@ def start_plan():
     plan, refusal = plan_lib.try_project(config, os.getcwd(), dict(will_run))
     if plan is not None:
         print(plan_lib.render(plan), flush=True)
-        plan_lib.write_json(Path(PLAN_DIR) / "plan.json", plan.to_json())
+        write_json(Path(PLAN_DIR) / "plan.json", plan.to_json())
     if refusal:
         raise WorkflowError(refusal)
     if plan is None:
@@ -42,8 +43,8 @@ def finish_plan():
         sampler.wait()
     plan_lib.record_throughputs(config, Path.cwd())
     plan = plan_lib.attach_actuals(plan, config, Path.cwd(), plan_lib.read_peak(PLAN_STATE["peak_file"]))
-    plan_lib.write_json(PLAN_STATE["peak_file"], {"peak_bytes": plan.actual_peak_bytes,
+    write_json(PLAN_STATE["peak_file"], {"peak_bytes": plan.actual_peak_bytes,
                                                    "projected_peak_bytes": plan.peak_bytes})
-    plan_lib.write_json(Path(PLAN_DIR) / "actual.json", plan.to_json())
+    write_json(Path(PLAN_DIR) / "actual.json", plan.to_json())
     print(flush=True)
     print(plan_lib.render(plan, actual=True), flush=True)

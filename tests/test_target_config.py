@@ -44,6 +44,15 @@ def test_text_config_wins_and_the_outer_config_fills_only_what_it_lacks(tmp_path
     assert text_config(flat) == flat
 
 
+def test_other_outer_keys_stay_out_so_cache_keys_do_not_move():
+    """The training fingerprint holds this view: an outer key beyond dtype and tied
+    embeddings (a wrapper's transformers_version, token ids, media settings) would change
+    it and make a killed run of such a target start over instead of resuming."""
+    wrapper = {**KIMI_STYLE, "transformers_version": "4.57.1", "bos_token_id": 1, "media_placeholder_token_id": 9,
+               "max_position_embeddings": 999}
+    assert text_config(wrapper) == {**TEXT, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
 def test_every_stage_sees_the_same_text_model(tmp_path):
     target = nested_target(tmp_path)
     view = load_target_config(target)

@@ -1,8 +1,8 @@
 """The embedded default target: a tiny Llama chat model built offline in minutes.
 
 Pipeline (all deterministic for a given Python/torch, no download anywhere):
-  1. ``conversations.jsonl`` from stdlib docstrings (``embedded_corpus``),
-  2. a Llama-3-style byte-level BPE tokenizer with a chat template (``embedded_tokenizer``),
+  1. ``conversations.jsonl`` from stdlib docstrings (eagle3flow/embedded/corpus.py),
+  2. a Llama-3-style byte-level BPE tokenizer with a chat template (eagle3flow/embedded/tokenizer.py),
   3. a small ``LlamaForCausalLM`` (8 layers, ~4.7M params, untied lm_head) trained on
      the chat-rendered conversations packed into fixed-length blocks.
 

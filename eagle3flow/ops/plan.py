@@ -70,7 +70,7 @@ from eagle3flow.ops.streaming import Chain
 
 __all__ = ["PLAN_CONFIG_ENV", "attach_actuals", "extract_backend", "main", "parse_job_stats", "plan_when_read",
            "project", "read_peak", "record_throughputs", "render", "start_sampler", "streaming_chain",
-           "target_config", "try_project", "write_json"]
+           "target_config", "try_project"]
 
 # `python -m eagle3flow.ops.plan` gets the workflow's resolved config through this file.
 PLAN_CONFIG_ENV = "EAGLE3FLOW_PLAN_CONFIG"

@@ -2,7 +2,7 @@
 
 When the disk budget (config ``storage``) cannot hold the full hidden states, the
 workflow (rules/streaming.smk) chains the ``extract.partitions`` = N partitions of the
-train split (eagle3flow/extract/hf.py plans them: runs of consecutive shards of
+train split (eagle3flow/extract/shard_plan.py plans them: runs of consecutive shards of
 the train split, which prepare_dataset writes in a seeded random order, so a
 partition is a random sample of the topics, not one of them)::
 

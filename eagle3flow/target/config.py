@@ -3,9 +3,9 @@
 A multimodal wrapper (Kimi-K2.5: ``KimiK25ForConditionalGeneration``) nests its
 language model's config under ``text_config``; the draft, the extraction, the vocab
 map and the plan all describe that language model. So its ``text_config`` keys win,
-and the outer config fills only what the text config lacks (dtype, tied embeddings),
-never with the keys that name the wrapper itself (its class, its model type, its
-other towers). A plain causal LM's config is its own text config. No torch: the
+and the outer config fills only what the text config lacks of its dtype and tied
+embeddings, never the keys that name the wrapper itself (its class, its model type,
+its other towers). A plain causal LM's config is its own text config. No torch: the
 planner (eagle3flow/ops/plan.py) reads it too.
 """
 from __future__ import annotations
@@ -14,8 +14,10 @@ import json
 import os
 from pathlib import Path
 
-# Outer keys that describe the wrapper, not its language model.
-WRAPPER_KEYS = ("architectures", "model_type", "auto_map", "text_config", "vision_config")
+# What a wrapper's outer config may give its language model: how its weights are stored
+# and whether its head is tied. Nothing else, so that the view (and the training cache
+# key built from it) stays what it was before this reader was the only one.
+OUTER_FILL_KEYS = ("torch_dtype", "dtype", "tie_word_embeddings")
 
 
 def read_config_file(target_path: str | os.PathLike) -> dict:
@@ -29,11 +31,11 @@ def read_config_file(target_path: str | os.PathLike) -> dict:
 
 def text_config(config: dict) -> dict:
     """The language model's config of a ``config.json`` dict: ``text_config`` when nested,
-    with the outer keys it lacks (except :data:`WRAPPER_KEYS`); else ``config`` itself."""
+    with the :data:`OUTER_FILL_KEYS` it lacks taken from the outer config; else ``config``."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return dict(config)
-    outer = {k: v for k, v in config.items() if k not in WRAPPER_KEYS and k not in text}
+    outer = {k: config[k] for k in OUTER_FILL_KEYS if k in config and k not in text}
     return {**text, **outer}
 
 
