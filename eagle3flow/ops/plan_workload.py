@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle3flow.ops.plan_stages import layout
 from eagle3flow.ops.sizes import format_bytes, tree_bytes
+from eagle3flow.ops.streaming import read_json
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.shapes import SHAPES
 
@@ -115,7 +116,7 @@ def answer_tokens(config: dict, root: Path) -> tuple[float, int, str]:
     """(tokens per regenerated answer, answers already made, basis): the stage's stats
     when it finished, else the mean of the answers in its cache, else regenerate.max_tokens
     x ASSUMED_ANSWER_FILL."""
-    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json")
+    stats = read_json(root / layout(config)["results"] / "regenerate" / "stats.json")
     if stats and stats.get("turns"):
         return stats["completion_tokens"] / stats["turns"], int(stats["turns"]), "regenerate's stats"
     cache = newest_regenerate_cache(config, root)
@@ -145,25 +146,17 @@ def serving_rate(config: dict, root: Path) -> tuple[float, float, str]:
     self_served = (not config["regenerate"].get("base_url") and not os.environ.get("EAGLE3FLOW_REGENERATE_URL")
                    and not config["target"]["path"])
     startup = ASSUMED_SELF_SERVED_STARTUP_S if self_served else 0.0
-    stats = _read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
+    stats = read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
     sent = stats.get("sent") or {}
     if sent.get("completion_tokens") and sent.get("tokens_per_s"):
         return float(sent["tokens_per_s"]), startup, "measured by the last regeneration"
     cache = newest_regenerate_cache(config, root)
-    rate = _read_json(cache / "rate.json") if cache is not None else None
+    rate = read_json(cache / "rate.json") if cache is not None else None
     if rate and rate.get("completion_tokens") and rate.get("seconds"):
         return rate["completion_tokens"] / rate["seconds"], startup, "measured while answering (cache)"
     if self_served and config["resources"]["gpus"] == 0:
         return float(ASSUMED_SELF_SERVED_CPU_TOKENS_PER_S), startup, "assumed (the CPU build serving the target)"
     return float(ASSUMED_SERVER_TOKENS_PER_S), startup, "assumed from the server"
-
-
-def _read_json(path: Path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def workload(config: dict, root: Path) -> dict:
