@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -39,7 +38,7 @@ import time
 from eagle3flow.ops.drain_cycle import stage_ended
 from eagle3flow.ops.drain_state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command,
                                         session_verdict, settings_of)
-from eagle3flow.ops.procfs import live_group_members, start_ticks
+from eagle3flow.ops.procfs import live_group_members, signal_on_parent_death, start_ticks
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long the stage's group may take to exit after its main process did (or after a
@@ -80,10 +79,7 @@ class Tee:
 def _die_with_parent() -> None:
     """In the child: its own process group, and SIGTERM when this wrapper dies."""
     os.setpgid(0, 0)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    signal_on_parent_death(signal.SIGTERM)
 
 
 def guard(command: list[str]) -> int:

@@ -8,8 +8,10 @@ the boot id, the pid namespace, the pid and its start time in clock ticks; with 
 """
 from __future__ import annotations
 
+import ctypes
 import getpass
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -200,3 +202,14 @@ def pids_with_env(name: str, value: str) -> list[int]:
     inherited by every descendant, through reparenting and setsid."""
     return sorted(pid for pid in pids()
                   if (environ(pid) or {}).get(name) == value and start_ticks(pid) is not None)
+
+
+def signal_on_parent_death(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL
+    (``prctl(PR_SET_PDEATHSIG)``). True when set; Linux only, elsewhere a no-op (False).
+    In a ``preexec_fn`` the parent is the process that starts the child."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -7,7 +7,6 @@ runs an offline engine over token ids instead.) Standard library only.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+from eagle3flow.ops.procfs import signal_on_parent_death
 
 SERVED_NAME = "builtin-target"
 
@@ -31,15 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (even by SIGKILL),
-    so a killed stage never leaves a server behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @contextmanager
@@ -65,7 +57,8 @@ def serve_target(target: str | Path, log_path: str | Path, python: str | None = 
     print(f"{log_tag}: starting a vLLM server of {target} at {url} (log: {log_path})",
           file=sys.stderr, flush=True)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True,
+                            preexec_fn=signal_on_parent_death)  # a killed stage leaves no server
     try:
         t0, deadline = time.monotonic(), time.monotonic() + startup_timeout_s
         while not _healthy(url):

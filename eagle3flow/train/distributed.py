@@ -14,6 +14,7 @@ unset or 1) everything here is a no-op on one process.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3flow.device import resolve_device
+from eagle3flow.ops.procfs import signal_on_parent_death
 
 # Rank 0 evaluates the eval split at checkpoints while the others wait at the next
 # collective: the default 10-minute NCCL timeout would be too short for a large split.
@@ -84,14 +86,7 @@ def die_with_parent() -> None:
     kill of the rule's process group, the OOM killer) would leave them training, and
     writing checkpoints, next to the rerun that resumes. Linux only; elsewhere a no-op.
     """
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
+    if not signal_on_parent_death(signal.SIGKILL):
         return
     if os.getppid() == 1:        # the parent died before prctl took effect
         os._exit(1)
