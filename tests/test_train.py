@@ -52,15 +52,16 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path):
     # K=1 chains are scored on exactly step 0's rows
     assert ev["simulated_acceptance_length"]["1"] == pytest.approx(1 + ev["step_accuracy"][0])
     assert ev["simulated_acceptance_length"]["3"] >= 1.3      # it learned something
+    assert set(ev["decode_acceptance_length"]) == {"1", "2", "3"} and ev["decode_acceptance_length"]["3"] > 1.1
     # the trained draft reloads and evaluates the same; an untrained one is worse
     model = load_trained(out, train_inputs["target"])
     again = evaluate_split(model, train_inputs["eval"], 3)
     assert again["step_accuracy"] == pytest.approx(ev["step_accuracy"])
-    # checkpoints: the last two and the best by simulated acceptance length (K=3) on the eval split
+    # checkpoints: the last two and the best by the decode walk's acceptance length (K=3) on the eval split
     run_dirs = list((tmp_path / "cache").iterdir())
     steps = sorted(p.name for p in run_dirs[0].glob("step-*"))
     best = ev["best_checkpoint"]
-    assert best["acceptance_length"] >= ev["simulated_acceptance_length"]["3"]
+    assert best["acceptance_length"] >= ev["decode_acceptance_length"]["3"]
     expected = {f"step-{len(rows) - 3:08d}", f"step-{len(rows):08d}", f"step-{best['step']:08d}"}
     assert set(steps) == expected and json.loads((run_dirs[0] / "best.json").read_text())["step"] == best["step"]
     # a rerun after completion does not train again and rewrites the same outputs
@@ -131,7 +132,7 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("train/loss", "train/step_acc/0", "train/step_loss/2", "train/lr", "train/tokens_per_s",
-                "train/mfu", "train/data_wait_s", "train/grad_norm", "eval/simulated_acceptance_length/3"):
+                "train/mfu", "train/data_wait_s", "train/grad_norm", "eval/simulated_acceptance_length/3", "eval/decode_acceptance_length/3"):
         assert tag in tags, (tag, sorted(tags))
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == [r["step"] for r in rows]

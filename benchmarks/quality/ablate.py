@@ -5,8 +5,11 @@ same data (the benchmark's tokenized train/eval split) through the project's own
 extraction and trainer on a GPU, where a draft trains in seconds, to choose the
 defaults the CPU benchmark then confirms. Each variant trains the benchmark's budget
 (epochs, batch tokens, TTT steps, draft vocab) and is scored by the simulated
-acceptance length on the eval split, which on the target's own greedy answers is
-exactly greedy speculative decoding's (eagle3flow/train/eval_split.py, ``evaluate_split``).
+acceptance length: on the eval split, and on each ``--score`` split, the decode walk of
+eagle3flow/train/eval_split.py (``decode_acceptance_length``), which on the target's own
+greedy answers is what greedy speculative decoding measures. ``splits`` makes two such
+splits from an evaluation run's baseline outputs (the target's greedy answers in vLLM,
+128 tokens): the held-out prompts and MT-bench first turns, the benchmark's own traffic.
 
 Stage 1 sweeps the learning rate for each optimizer; stage 2 adds each other knob on
 top of the best of stage 1; stage 3 combines the knobs that helped and repeats the
@@ -14,6 +17,7 @@ best and the baseline over seeds::
 
     python benchmarks/quality/ablate.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \\
         --train train.parquet --eval eval.parquet --work /tmp/ablate --out ablate.json [--grid grid.json]
+    python benchmarks/quality/ablate.py splits <work>/eval/vllm_baseline.json <dir>  # eval128, mt_bench128
     python benchmarks/quality/ablate.py table ablate_round*.json     # the markdown tables
 """
 from __future__ import annotations
@@ -27,9 +31,12 @@ from pathlib import Path
 
 import torch
 
+from eagle3flow.extract.shards import load_manifest
+from eagle3flow.train.build import load_trained
+from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.trainer import train
 
-BUDGET = {"epochs": 3, "batch_tokens": 8192, "ttt_steps": 7}
+BUDGET = {"epochs": 3, "batch_tokens": 2048, "ttt_steps": 7}
 DRAFT_VOCAB = 8192
 
 
@@ -40,14 +47,14 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
         subprocess.run([sys.executable, "-m", "eagle3flow.target.pretrained", "--out-dir", target,
                         "--gguf", args.gguf], check=True)
     manifests = work / "hs"
-    if not (manifests / "eval.json").is_file():
-        subprocess.run([sys.executable, "-m", "eagle3flow.extract.hf", "--target", target,
-                        "--cache-root", work / "cache", "--device", args.device,
-                        "--dtype", "bfloat16" if args.device == "cuda" else "float32",
-                        "--max-length", "1024",
-                        "--split-name", "train", "--dataset", args.train, "--manifest", manifests / "train.json",
-                        "--split-name", "eval", "--dataset", args.eval, "--manifest", manifests / "eval.json"],
-                       check=True)
+    splits = {"train": args.train, "eval": args.eval, **dict(args.score)}
+    if not all((manifests / f"{name}.json").is_file() for name in splits):
+        command = [sys.executable, "-m", "eagle3flow.extract.hf", "--target", target,
+                   "--cache-root", work / "cache", "--device", args.device,
+                   "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--max-length", "1024"]
+        for name, dataset in splits.items():
+            command += ["--split-name", name, "--dataset", dataset, "--manifest", manifests / f"{name}.json"]
+        subprocess.run(command, check=True)
     vocab = work / "vocab_map.safetensors"
     if not vocab.is_file():
         subprocess.run([sys.executable, "-m", "eagle3flow.data.vocab", "--dataset", args.train, "--target", target,
@@ -63,30 +70,70 @@ def score(name: str, overrides: dict, paths, work: Path, results: dict) -> dict:
     config = {**BUDGET, "checkpoint_every": 10_000, "log_every": 50, **overrides}
     t0 = time.monotonic()
     out = train(train_manifest, eval_manifest, vocab, target, work / "out" / name, work / "ckpt", config)
+    seconds = round(time.monotonic() - t0, 1)
     al = out["simulated_acceptance_length"]
     row = {"overrides": overrides, "al3": al["3"], "al7": al["7"], "step_accuracy": out["step_accuracy"],
-           "seconds": round(time.monotonic() - t0, 1)}
+           "seconds": seconds, "decode": {"eval": out["decode_acceptance_length"]}}
+    model = load_trained(work / "out" / name, target, "cuda" if torch.cuda.is_available() else "cpu")
+    for split in score_splits(work):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+            row["decode"][split] = evaluate_split(model, load_manifest(work / "hs" / f"{split}.json"),
+                                                  config["ttt_steps"])["decode_acceptance_length"]
     results[name] = row
-    print(f"ablate: {name:40s} AL@3 {row['al3']:.4f} AL@7 {row['al7']:.4f} ({row['seconds']}s) {overrides}",
-          file=sys.stderr, flush=True)
+    walks = " ".join(f"{s} {d['3']:.3f}/{d['7']:.3f}" for s, d in row["decode"].items())
+    print(f"ablate: {name:40s} AL@3 {row['al3']:.4f} AL@7 {row['al7']:.4f} decode@3/7 {walks} "
+          f"({seconds}s) {overrides}", file=sys.stderr, flush=True)
     return row
 
 
+def score_splits(work: Path) -> list[str]:
+    return sorted(p.stem for p in (work / "hs").glob("*.json") if p.stem not in ("train", "eval"))
+
+
+def baseline_splits(baseline: Path, out_dir: Path) -> None:
+    """``eval128.parquet`` and ``mt_bench128.parquet`` (the dataset stage's columns) from an
+    evaluation's ``vllm_baseline.json``: each prompt's tokens then the target's greedy answer
+    in vLLM, the answer masked in. MT-bench rows are those whose id starts with ``mt``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    outputs = json.loads(baseline.read_text())["outputs"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("eval128", [o for o in outputs if not o["id"].startswith("mt")]),
+                       ("mt_bench128", [o for o in outputs if o["id"].startswith("mt")])):
+        ids = [o["prompt_token_ids"] + o["output_token_ids"] for o in rows]
+        masks = [[0] * len(o["prompt_token_ids"]) + [1] * len(o["output_token_ids"]) for o in rows]
+        pq.write_table(pa.table({"id": [o["id"] for o in rows], "input_ids": ids, "loss_mask": masks,
+                                 "num_tokens": [len(x) for x in ids]}), out_dir / f"{name}.parquet")
+        print(f"{out_dir / name}.parquet: {len(rows)} rows, {sum(map(len, ids))} tokens")
+
+
 def markdown(paths: list[Path]) -> str:
-    """The rounds' results as one markdown table per round (AL = simulated acceptance length)."""
+    """The rounds' results as one markdown table per round. ``AL`` = the per-row mean on
+    the eval split (rounds 1-5 chose by it); ``decode`` = the decode walk, what greedy
+    speculative decoding measures (round 6 on), on the 128-token held-out and MT-bench splits."""
     out = []
     for path in paths:
         data = json.loads(path.read_text())
         rows = data["results"]
         base = rows.get("baseline")
+        walked = any("decode" in row for row in rows.values())
         out.append(f"**{path.name}** ({data['device']}, budget {data['budget']}, draft vocab "
                    f"{data['draft_vocab_size']})\n")
-        out.append("| variant | AL@3 | AL@7 | settings over the trainer's defaults of the time |")
-        out.append("| --- | --- | --- | --- |")
+        if walked:
+            out.append("| variant | decode held-out @3 | @7 | decode MT-bench @3 | @7 | settings over the defaults |")
+            out.append("| --- | --- | --- | --- | --- | --- |")
+        else:
+            out.append("| variant | AL@3 | AL@7 | settings over the trainer's defaults of the time |")
+            out.append("| --- | --- | --- | --- |")
         for name, row in rows.items():
-            out.append(f"| {name} | {row['al3']:.3f} | {row['al7']:.3f} | `{json.dumps(row['overrides'])}` |")
+            if walked:
+                held, mt = row["decode"]["eval128"], row["decode"]["mt_bench128"]
+                out.append(f"| {name} | {held['3']:.3f} | {held['7']:.3f} | {mt['3']:.3f} | {mt['7']:.3f} | "
+                           f"`{json.dumps(row['overrides'])}` |")
+            else:
+                out.append(f"| {name} | {row['al3']:.3f} | {row['al7']:.3f} | `{json.dumps(row['overrides'])}` |")
         if base:
-            out.append(f"\n(baseline: the defaults before this issue, AdamW lr 1e-4)")
+            out.append("\n(baseline: the defaults before this issue, AdamW lr 1e-4)")
         out.append("")
     return "\n".join(out)
 
@@ -94,6 +141,9 @@ def markdown(paths: list[Path]) -> str:
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "table":
         print(markdown([Path(p) for p in sys.argv[2:]]))
+        return 0
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "splits":
+        baseline_splits(Path(sys.argv[2]), Path(sys.argv[3]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", type=Path, required=True)
@@ -103,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stages", default="1,2,3", help="comma-separated; empty: the baseline only")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--score", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
+                        metavar="NAME=PARQUET", help="another split to score each variant on (decode walk)")
     parser.add_argument("--grid", type=Path, default=None,
                         help="JSON {name: train overrides}: score exactly these instead of the stages")
     args = parser.parse_args(argv)

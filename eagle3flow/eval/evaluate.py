@@ -321,7 +321,7 @@ def format_summary(s: dict) -> str:
     if s.get("eval_split"):
         e = s["eval_split"]
         lines.append(f"  eval split step accuracy [{', '.join(_fmt(a) for a in e['step_accuracy'])}], "
-                     f"simulated acceptance {e['simulated_acceptance_length']}")
+                     f"acceptance (decode walk) {e.get('decode_acceptance_length')}")
     return "\n".join(lines)
 
 

@@ -126,8 +126,8 @@ class TrainMetrics:
 
     def evaluation(self, step: int, evaluated: dict) -> None:
         """An eval at a checkpoint (eagle3flow/train/eval_split.py's dict), to the trackers."""
-        self.trackers.log(step, flatten("eval", {"simulated_acceptance_length": evaluated["simulated_acceptance_length"],
-                                                 "step_accuracy": evaluated["step_accuracy"]}))
+        self.trackers.log(step, flatten("eval", {key: evaluated[key] for key in (
+            "decode_acceptance_length", "simulated_acceptance_length", "step_accuracy")}))
 
     def close(self) -> None:
         self.trackers.close()

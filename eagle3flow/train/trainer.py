@@ -34,9 +34,10 @@ in bf16), fp32 on CPU.
 Observability (eagle3flow/train/metrics.py): one metrics line per ``log_every`` steps
 (loss, per-step loss and accuracy, tokens/s over all ranks, MFU per
 eagle3flow/model/flops.py, the time the loop waited for data); the progress line prints
-the same with an ETA. At every checkpoint the eval split's simulated acceptance length
-is computed (eagle3flow/train/eval_split.py, capped by ``eval_max_tokens``); the best
-checkpoint is kept besides the last ``keep_checkpoints``.
+the same with an ETA. At every checkpoint the eval split's acceptance length is
+computed as greedy decoding would measure it (the decode walk of
+eagle3flow/train/eval_split.py, capped by ``eval_max_tokens``); the best checkpoint is
+kept besides the last ``keep_checkpoints``.
 """
 from __future__ import annotations
 
@@ -216,10 +217,10 @@ class Trainer:
         run, num_steps = self.run, self.num_steps
         if eval_split is not None:
             evaluated = self.evaluate(eval_split)
-            acceptance = evaluated["simulated_acceptance_length"][str(num_steps)]
+            acceptance = evaluated["decode_acceptance_length"][str(num_steps)]
             if acceptance is not None and (run.best is None or acceptance > run.best["acceptance_length"]):
                 run.best = {"step": run.step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps}
-            self.log(f"train: step {run.step} eval simulated acceptance length (K={num_steps}) {acceptance}; "
+            self.log(f"train: step {run.step} eval acceptance length (decode walk, K={num_steps}) {acceptance}; "
                      f"best {run.best}")
             metrics.evaluation(run.step, evaluated)
         batches = self.plan(next_epoch) if next_epoch < self.cfg["epochs"] else []
@@ -322,8 +323,8 @@ def write_outputs(trainer: Trainer, out_dir: Path, run_dir: Path, fp: str, chain
               "final_checkpoint": str(run_dir / f"step-{run.step:08d}")}
     if eval_split is not None:
         result.update(trainer.evaluate(eval_split))
-        trainer.log(f"train: eval step accuracy {result['step_accuracy']}, simulated acceptance length "
-                    f"{result['simulated_acceptance_length']}")
+        trainer.log(f"train: eval step accuracy {result['step_accuracy']}, acceptance length (decode walk) "
+                    f"{result['decode_acceptance_length']}")
     write_json(out_dir / "eval.json", result)
     # Last: the final checkpoint and the outputs are on disk.
     write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": run.step, "tokens_done": run.tokens_done,
