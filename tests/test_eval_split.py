@@ -47,3 +47,24 @@ def test_walk_counts_each_step_once_not_each_row():
     # the last step at row 4 can only accept indices 6..7 (the span ends at 8).
     run = [3, 3, 3, 3, 2, 1, 0, 0]
     assert decode_walk(run, [(0, 8)]) == (5, 2)
+
+
+def test_spans_match_a_row_by_row_scan_on_random_batches():
+    rng = random.Random(1)
+    for _ in range(100):
+        lengths = [rng.randint(0, 12) for _ in range(rng.randint(1, 6))]
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        mask = torch.tensor([rng.random() < 0.6 for _ in range(int(cu[-1]))], dtype=torch.bool)
+        want = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            t = a
+            while t < b:
+                if mask[t]:
+                    e = t
+                    while e < b and mask[e]:
+                        e += 1
+                    want.append((max(t - 1, a), e))
+                    t = e
+                else:
+                    t += 1
+        assert masked_spans(cu, mask) == want, (lengths, mask.tolist())

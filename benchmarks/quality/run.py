@@ -267,16 +267,17 @@ def evaluate(work: Path, results: Path, drafts: dict[str, Path]) -> Path:
     return out / "summary.json"
 
 
-def summarize(work: Path, eval_summary: Path, peer: str = "speculators") -> dict:
-    """Both acceptance lengths per prompt set and K, their ratio, and losslessness."""
+def summarize(work: Path, eval_summary: Path, peer: str = "speculators", main: str | None = None) -> dict:
+    """Every draft's acceptance length per prompt set and K, the project's (``main``, by
+    default the evaluation's main draft) over the peer's, and losslessness."""
     summary = json.loads(eval_summary.read_text())
-    main = summary["main_draft"]
+    main = main or summary["main_draft"]
     table = {}
     for set_name, by_draft in summary["results"].items():
         table[set_name] = {}
         for k in EVAL["ks"]:
             row = {}
-            for draft in (main, peer):
+            for draft in by_draft:
                 if k == summary["settings"]["num_speculative_tokens"]:
                     served = by_draft[draft]["vllm"]
                     lossless = by_draft[draft]["lossless"]["passed"]
@@ -315,6 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--train", type=json.loads, default={}, help="train overrides of the variant (JSON)")
     parser.add_argument("--variants", default="default",
                         help="project variants evaluated (comma-separated; the first is the main draft)")
+    parser.add_argument("--main", default=None,
+                        help="summarize: the draft reported as the project's (default: the evaluation's first)")
     parser.add_argument("step", choices=["project", "speculators-data", "speculators-train", "evaluate",
                                          "summarize", "all"])
     args = parser.parse_args(argv)
@@ -334,7 +337,7 @@ def main(argv=None) -> int:
         drafts["speculators"] = speculators_train(work, results)
         evaluate(work, results, drafts)
     if args.step in ("evaluate", "summarize", "all"):
-        summarize(work, work / "eval" / "summary.json")
+        summarize(work, work / "eval" / "summary.json", main=args.main)
     return 0
 
 

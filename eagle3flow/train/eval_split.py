@@ -89,20 +89,19 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
 def masked_spans(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor) -> list[tuple[int, int]]:
     """Maximal runs ``[s, e)`` of masked-in packed rows, none crossing a sample boundary,
     as ``(first draft row, e)``: row ``s-1``, or ``s`` where the run opens its sample."""
-    mask = loss_mask.bool().cpu().tolist()
-    spans = []
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        i = a
-        while i < b:
-            if mask[i]:
-                j = i
-                while j < b and mask[j]:
-                    j += 1
-                spans.append((max(i - 1, a), j))
-                i = j
-            else:
-                i += 1
-    return spans
+    mask = loss_mask.bool().cpu()
+    n = mask.numel()
+    cu = cu_seqlens.to(torch.int64).cpu()
+    first = torch.zeros(n, dtype=torch.bool)
+    first[cu[:-1][cu[:-1] < n]] = True                       # a sample's first row
+    last = torch.zeros(n, dtype=torch.bool)
+    last[cu[1:][cu[1:] > 0] - 1] = True                      # a sample's last row
+    before = torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])
+    after = torch.cat([mask[1:], torch.zeros(1, dtype=torch.bool)])
+    starts = (mask & (~before | first)).nonzero().flatten()
+    ends = (mask & (~after | last)).nonzero().flatten() + 1
+    rows = torch.where(first[starts], starts, starts - 1)
+    return list(zip(rows.tolist(), ends.tolist()))
 
 
 def decode_walk(run: list[int], spans: list[tuple[int, int]]) -> tuple[int, int]:
