@@ -22,9 +22,10 @@ EXPORTED_PARAM_NAMES = (
 ARCHITECTURE_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 # A new draft's: an RMSNorm over the aux states before fc and the normed state fed to the
 # next step each raised the quality benchmark's simulated acceptance length (the per-row
-# mean) at K=7 from 1.66 to 1.94 and 2.04 (benchmarks/quality/README.md, ablations). norm_before_residual
-# did as well, but SGLang ignores that flag (it would serve such a draft wrongly, with no
-# error): it stays a train.draft override, for drafts served by vLLM only.
+# mean) at K=7 from 1.66 to 1.94 and 2.04 (benchmarks/quality/README.md, ablations).
+# norm_before_residual did as well, but SGLang ignores that flag (it would serve such a
+# draft wrongly, with no error): it stays a train.draft override, for drafts served by
+# vLLM only.
 # An MLA draft (vLLM's deepseek_eagle3.py) has no input_norm: only the normed state fed
 # to the next step carries over (fc_norm, its per-aux-state norm, is not measured yet).
 ARCHITECTURES = ("llama", "mla")

@@ -67,10 +67,10 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
             accepted[k] += float(leading[use, :k + 1].sum())
             chains[k] += float(use.sum())
         spans = masked_spans(batch["cu_seqlens"], batch["loss_mask"])
+        # 1 while every step so far hit and lies inside the span (ok is False past its end)
+        inside = torch.cumprod((hit & ok).long(), dim=1)
         for k in range(1, num_steps + 1):
-            # leading hits among the first K steps, cut where the span ends (ok is False there)
-            run = torch.cumprod((hit[:, :k] & ok[:, :k]).long(), dim=1).sum(1).tolist()
-            a, d = decode_walk(run, spans)
+            a, d = decode_walk(inside[:, :k].sum(1).tolist(), spans)
             walked[k][0] += a
             walked[k][1] += d
     model.train(was_training)

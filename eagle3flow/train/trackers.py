@@ -5,8 +5,8 @@ package, in the environment); ``wandb`` and ``mlflow`` log to the project and se
 their own environment variables name (``WANDB_PROJECT``/``WANDB_MODE``,
 ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``) when the package is installed. Every
 metrics line (loss, per-step loss and accuracy, lr, grad norm, tokens/s, MFU, data wait)
-and every evaluation (acceptance length per K: the decode walk and the per-row mean) goes to each of them, from the
-main rank only. A tracker that cannot start fails the run at once, before any step.
+and every evaluation (acceptance length per K: the decode walk and the per-row mean)
+goes to each of them, from the main rank only. A tracker that cannot start fails the run at once, before any step.
 """
 from __future__ import annotations
 
