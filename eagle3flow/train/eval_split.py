@@ -60,17 +60,16 @@ def evaluate_split(model: Eagle3Draft, manifest, num_steps: int, max_tokens: int
             hit[:, j] = logits[j].argmax(-1) == argmax[target]
             correct[j] += float((hit[:, j] & ok[:, j]).sum())
             counted[j] += float(ok[:, j].sum())
-        leading = torch.cumprod(hit.long(), dim=1)          # [n, K] 1 while all so far correct
+        # [n, K] 1 while every step so far hit and is scored (ok is False past the span's end)
+        leading = torch.cumprod((hit & ok).long(), dim=1)
         all_ok = torch.cumprod(ok.long(), dim=1).bool()     # rows usable for chains of length K
         for k in range(num_steps):
             use = all_ok[:, k]
             accepted[k] += float(leading[use, :k + 1].sum())
             chains[k] += float(use.sum())
         spans = masked_spans(batch["cu_seqlens"], batch["loss_mask"])
-        # 1 while every step so far hit and lies inside the span (ok is False past its end)
-        inside = torch.cumprod((hit & ok).long(), dim=1)
         for k in range(1, num_steps + 1):
-            a, d = decode_walk(inside[:, :k].sum(1).tolist(), spans)
+            a, d = decode_walk(leading[:, :k].sum(1).tolist(), spans)
             walked[k][0] += a
             walked[k][1] += d
     model.train(was_training)
