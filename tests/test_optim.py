@@ -33,10 +33,6 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     params = dict(named)
     assert by_opt["muon"] == {id(params["fc.weight"]), id(params["midlayer.self_attn.q_proj.weight"])}
     assert by_opt["adamw"] == {id(params["midlayer.hidden_norm.weight"]), id(params["lm_head.weight"])}
-    assert [g["lr"] for g in opts.optimizers["adamw"].param_groups] == [cfg["lr"]]
-    scaled = build_optimizers(named, {**cfg, "adamw_lr_ratio": 3.0}, torch.device("cpu"))
-    assert [g["lr"] for g in scaled.optimizers["adamw"].param_groups] == [pytest.approx(3 * cfg["lr"])]
-    assert [g["lr"] for g in scaled.optimizers["muon"].param_groups] == [cfg["lr"]]
     before = {n: p.detach().clone() for n, p in named}
     for _, p in named:
         p.grad = torch.randn_like(p)

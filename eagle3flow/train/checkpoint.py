@@ -23,7 +23,7 @@ import torch
 from eagle3flow.extract.shards import Manifest, sha256_file
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.weights import tensor_locations
-from eagle3flow.train.config import LATER_KEYS, NOT_FINGERPRINTED
+from eagle3flow.train.config import NOT_FINGERPRINTED
 
 # Bumped whenever the batch plan or the loss changes, so no run resumes from a
 # checkpoint whose data position means something else.
@@ -43,8 +43,7 @@ def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: st
         "vocab_map": sha256_file(vocab_map),
         "target_config": load_target_config(target_path),
         "target_files": [(f, (target_path / f).stat().st_size) for f in files],
-        "config": {k: v for k, v in config.items()
-                   if k not in NOT_FINGERPRINTED and not (k in LATER_KEYS and v == LATER_KEYS[k])},
+        "config": {k: v for k, v in config.items() if k not in NOT_FINGERPRINTED},
     }
     if chain:
         key["chain"] = chain
@@ -166,11 +165,9 @@ def init_state_path(init_from: str | Path) -> Path:
 
 
 def training_state(model: torch.nn.Module, optimizer, scheduler, run: RunState, next_epoch: int,
-                   next_batch: int, next_sample: tuple[int, int] | None, fp: str, world_size: int,
-                   average=None) -> dict:
-    """What ``state.pt`` holds; ``next_sample``: (shard, offset) of the next batch's first sample;
-    ``average``: the weight average (eagle3flow/train/ema.py), when the run keeps one."""
-    state = {
+                   next_batch: int, next_sample: tuple[int, int] | None, fp: str, world_size: int) -> dict:
+    """What ``state.pt`` holds; ``next_sample``: (shard, offset) of the next batch's first sample."""
+    return {
         "model": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": run.step,
         "data": {"epoch": next_epoch, "batch_index": next_batch,
@@ -179,19 +176,12 @@ def training_state(model: torch.nn.Module, optimizer, scheduler, run: RunState, 
         "rng": rng_state(), "fingerprint": fp, "best": run.best, "world_size": world_size,
         "tokens_done": run.tokens_done, "base_step": run.base_step,
     }
-    if average is not None:
-        state["weight_average"] = average.state_dict()
-    return state
 
 
-def restore_training_state(state: dict, model: torch.nn.Module, optimizer, scheduler, average=None) -> None:
-    """Weights, optimizer, schedule, RNG and the weight average from ``state``. The run's
-    :class:`RunState` must be in place first: a chained run's schedule reads its ``tokens_done``."""
+def restore_training_state(state: dict, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """Weights, optimizer, schedule and RNG from ``state``. The run's :class:`RunState` must be
+    in place first: a chained run's schedule reads its ``tokens_done``."""
     model.load_state_dict(state["model"], strict=False)
-    if average is not None:
-        if "weight_average" not in state:
-            raise ValueError("train.ema_decay is set but the checkpoint holds no weight average")
-        average.load_state_dict(state["weight_average"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

@@ -13,9 +13,6 @@ TRAIN_DEFAULTS = schema_defaults("train")
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
                      "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype",
                      "report_to")
-# Keys added after runs were cached, with the value that leaves training as it was: at
-# that value a key stays out of the fingerprint, so those runs keep their cache.
-LATER_KEYS = {"adamw_lr_ratio": 1.0, "ema_decay": 0.0}
 
 
 def resolve_train_config(config: dict | None) -> dict:
@@ -47,10 +44,6 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: report_to must be a list of {list(TRACKERS)}, got {merged['report_to']!r}")
     if float(merged["hidden_noise"]) < 0:
         raise ValueError(f"train config: hidden_noise must be >= 0, got {merged['hidden_noise']}")
-    if not 0 <= float(merged["ema_decay"]) < 1:
-        raise ValueError(f"train config: ema_decay must be in [0, 1), got {merged['ema_decay']}")
-    if not float(merged["adamw_lr_ratio"]) > 0:
-        raise ValueError(f"train config: adamw_lr_ratio must be > 0, got {merged['adamw_lr_ratio']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged

@@ -87,7 +87,7 @@ def build_optimizers(named_params: list[tuple[str, torch.Tensor]], cfg: dict, de
     optimizers = {"muon": torch.optim.Muon(matrices, lr=cfg["lr"], weight_decay=cfg["muon_weight_decay"],
                                            momentum=cfg["muon_momentum"], adjust_lr_fn="match_rms_adamw")}
     if rest:
-        optimizers["adamw"] = torch.optim.AdamW(rest, **{**adamw_kwargs, "lr": cfg["lr"] * cfg["adamw_lr_ratio"]})
+        optimizers["adamw"] = torch.optim.AdamW(rest, **adamw_kwargs)
     return Optimizers(optimizers)
 
 

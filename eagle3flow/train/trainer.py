@@ -46,7 +46,6 @@ import json
 import os
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -63,7 +62,6 @@ from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, fi
 from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
 from eagle3flow.train.data import BatchLoader, EpochPlans, ShardData, rank_share
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
-from eagle3flow.train.ema import WeightAverage
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.loss import ttt_loss
 from eagle3flow.train.metrics import PeakFlops, TrainMetrics, read_metrics, start_metrics_files
@@ -142,7 +140,6 @@ class Trainer:
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
         self.optimizer = build_optimizers(named_params, cfg, device)
-        self.average = WeightAverage(self.params, cfg["ema_decay"]) if cfg["ema_decay"] else None
 
         self.data = ShardData(manifest)
         self.plan = EpochPlans(self.data, cfg["seed"], cfg["batch_tokens"], data_epoch)
@@ -175,7 +172,7 @@ class Trainer:
                      f"{state.get('tokens_done', 0):,} tokens of the chain trained)")
         else:
             return None
-        restore_training_state(state, self.model, self.optimizer, self.scheduler, self.average)
+        restore_training_state(state, self.model, self.optimizer, self.scheduler)
         return history_from
 
     def remaining(self) -> list[tuple[int, int]]:
@@ -206,16 +203,10 @@ class Trainer:
         self.run.tokens_done += global_tokens
         self.scheduler.step()
         self.run.step += 1
-        if self.average is not None:
-            self.average.update(self.run.step)
         return {"loss": loss, "stats": stats, "counts": counts, "grad_norm": grad_norm, "lr": lr}
 
-    def weights_served(self):
-        """The weights a draft is evaluated and written with: the average when there is one."""
-        return self.average.swapped_in() if self.average is not None else nullcontext()
-
     def evaluate(self, eval_split: Manifest) -> dict:
-        with bf16_autocast(self.device), self.weights_served():
+        with bf16_autocast(self.device):
             return evaluate_split(self.model, eval_split, self.num_steps, self.cfg["eval_max_tokens"],
                                   teacher_head=self.teacher_head.float(), batch_tokens=self.cfg["batch_tokens"])
 
@@ -235,7 +226,7 @@ class Trainer:
         batches = self.plan(next_epoch) if next_epoch < self.cfg["epochs"] else []
         next_sample = batches[next_batch][0] if next_batch < len(batches) else None
         state = training_state(self.model, self.optimizer, self.scheduler, run, next_epoch, next_batch,
-                               next_sample, fp, self.ctx.world_size, self.average)
+                               next_sample, fp, self.ctx.world_size)
         save_checkpoint(run_dir, run.step, state, self.cfg["keep_checkpoints"], run.best["step"] if run.best else None)
         if run.best is not None:
             write_json(run_dir / "best.json", {**run.best, "checkpoint": str(run_dir / f"step-{run.best['step']:08d}")})
@@ -322,10 +313,9 @@ def write_outputs(trainer: Trainer, out_dir: Path, run_dir: Path, fp: str, chain
     model, run = trainer.model, trainer.run
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    with trainer.weights_served():
-        save_file({k: v.detach().cpu().float().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
-                   for k, v in model.trainable_state_dict().items()},
-                  str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
+    save_file({k: v.detach().cpu().float().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
+               for k, v in model.trainable_state_dict().items()},
+              str(out_dir / "draft.safetensors"), metadata={"fingerprint": fp})
     write_json(out_dir / "draft_config.json", model.config.to_dict())
     result = {"train_config": trainer.cfg, "fingerprint": fp, "steps": run.step, "world_size": trainer.ctx.world_size,
               "flops_per_token": flops_per_token, "best_checkpoint": run.best,
