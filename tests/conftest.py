@@ -5,9 +5,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+# `make test` runs two pytest-xdist workers on a 2-core machine. Each worker gets a core
+# of its own (its subprocesses inherit it) and one thread per process, torch's and
+# vLLM's: two processes of two threads each on two cores wait on each other's
+# descheduled threads (the embedded build, two at once: 7x slower; pinned, 1.45x faster
+# than one after the other). Set before torch loads (the support modules import it).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER and len(os.sched_getaffinity(0)) > 1:
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(WORKER.removeprefix("gw")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
 
 from support.box import FakeBox, run_snakemake, snakemake_args, tiny_config
 from support.targets import make_random_llama
@@ -18,6 +32,7 @@ SHARED = REPO.parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+SESSION_START = pytest.StashKey[float]()
 
 
 @pytest.fixture(scope="session")
@@ -58,9 +73,39 @@ def upstream(tmp_path_factory) -> Path:
     return workdir
 
 
-def pytest_terminal_summary(terminalreporter):
-    """CI's log shows the fault matrix (tests/test_fault_matrix.py writes it) when it ran."""
-    matrix = sys.modules.get("test_fault_matrix")
-    if matrix is not None and (matrix.ROWS or matrix.DRY_ROWS):
+# Under xdist (--dist loadgroup) each module is one group, so its module fixtures are
+# built once; the tests of the embedded default build share one group, so that build
+# (minutes) is made once. The longest groups are handed out first.
+SHARED_BUILD = {"test_embedded.py": "embedded_default_build", "test_streaming.py": "embedded_default_build",
+                "test_workflow.py::test_embedded_default_end_to_end_with_kills": "embedded_default_build"}
+LONGEST_FIRST = ("embedded_default_build", "test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py")
+
+
+def xdist_group(item) -> str:
+    module = item.path.name
+    test = f"{module}::{item.originalname}"
+    if test in SHARED_BUILD or module in SHARED_BUILD:
+        return SHARED_BUILD.get(test, SHARED_BUILD.get(module))
+    return test if test in LONGEST_FIRST else module
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))   # stable: the rest keep their order
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SESSION_START] = time.time()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """CI's log shows the fault matrix when tests/test_fault_matrix.py wrote it in this run
+    (in a worker, under xdist: read back from the file it writes)."""
+    matrix = REPO / "tests" / "fault_matrix.md"
+    start = config.stash.get(SESSION_START, None)
+    if start is not None and matrix.is_file() and matrix.stat().st_mtime >= start:
         terminalreporter.write_sep("=", "fault matrix (tests/fault_matrix.md)")
-        terminalreporter.write_line(matrix.render(matrix.ROWS, matrix.DRY_ROWS))
+        terminalreporter.write_line(matrix.read_text())

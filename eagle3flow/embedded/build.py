@@ -182,7 +182,7 @@ def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
                    shape: TargetShape = TargetShape(), threads: int | None = None) -> dict:
     """Build ``out_dir/{conversations.jsonl, target/, build_stats.json}``; return the stats."""
     t0, cpu0 = time.monotonic(), time.process_time()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))   # the cores this process may use
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--max-conversations", type=int, default=defaults.max_conversations)
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: os.cpu_count())")
+                        help="torch threads (default: the cores this process may run on)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
