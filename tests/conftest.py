@@ -75,7 +75,8 @@ def upstream(tmp_path_factory) -> Path:
 
 # Under xdist (--dist loadgroup) each module is one group, so its module fixtures are
 # built once; the tests of the embedded default build share one group, so that build
-# (minutes) is made once. The longest groups are handed out first.
+# (minutes) is made once; the real-target test is a group of its own. xdist hands out
+# the groups with the most tests first: the sort below orders only groups of one size.
 SHARED_BUILD = {"test_embedded.py": "embedded_default_build", "test_streaming.py": "embedded_default_build",
                 "test_workflow.py::test_embedded_default_end_to_end_with_kills": "embedded_default_build"}
 LONGEST_FIRST = ("embedded_default_build", "test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py")
