@@ -178,11 +178,18 @@ def _replace_dir(new: Path, final: Path) -> None:
         os.replace(new, final)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups, SLURM), where
+    the platform says (Linux); else every core."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
+
 def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
                    shape: TargetShape = TargetShape(), threads: int | None = None) -> dict:
     """Build ``out_dir/{conversations.jsonl, target/, build_stats.json}``; return the stats."""
     t0, cpu0 = time.monotonic(), time.process_time()
-    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))   # the cores this process may use
+    torch.set_num_threads(threads or usable_cores())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
