@@ -77,16 +77,17 @@ def upstream(tmp_path_factory) -> Path:
 # built once; the tests of the embedded default build share one group, so that build
 # (minutes) is made once; the real-target test is a group of its own. xdist hands out
 # the groups with the most tests first: the sort below orders only groups of one size.
-SHARED_BUILD = {"test_embedded.py": "embedded_default_build", "test_streaming.py": "embedded_default_build",
-                "test_workflow.py::test_embedded_default_end_to_end_with_kills": "embedded_default_build"}
-LONGEST_FIRST = ("embedded_default_build", "test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py")
+SHARED_BUILD = "embedded_default_build"
+SHARED_BUILD_TESTS = {"test_embedded.py", "test_streaming.py",
+                      "test_workflow.py::test_embedded_default_end_to_end_with_kills"}
+LONGEST_FIRST = (SHARED_BUILD, "test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py")
 
 
 def xdist_group(item) -> str:
     module = item.path.name
     test = f"{module}::{item.originalname}"
-    if test in SHARED_BUILD or module in SHARED_BUILD:
-        return SHARED_BUILD.get(test, SHARED_BUILD.get(module))
+    if test in SHARED_BUILD_TESTS or module in SHARED_BUILD_TESTS:
+        return SHARED_BUILD
     return test if test in LONGEST_FIRST else module
 
 
