@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     paths = prepare(args)
-    results: dict = {}
+    # A rerun with the same --out continues: variants already scored there are kept.
+    results: dict = json.loads(args.out.read_text())["results"] if args.out.is_file() else {}
 
     def save():
         args.out.write_text(json.dumps({"budget": BUDGET, "draft_vocab_size": DRAFT_VOCAB,
