@@ -36,6 +36,9 @@ def test_card_has_hub_metadata_serving_lines_and_the_evaluation(random_llama_tar
     assert '"num_speculative_tokens": 3' in card and "--speculative-draft-model-path" in card
     assert "98.70%" in card and "[2, 4, 5]" in card and "[1, 3, 4]" in card
     assert "answers written by the target itself (948 regenerated)" in card
+    dataset["regenerated"]["more_answers"] = {"samples": 1800}
+    card = render(tmp_path / "draft", summary(), vocab, dataset, None, "t")
+    assert "(948 regenerated, and 1,800 further answers to training prompts)" in card
 
 
 def test_a_draft_sglang_cannot_serve_gets_no_sglang_command(random_llama_target, tmp_path):

@@ -229,6 +229,21 @@ def test_plan_projects_the_regenerated_builtin_prompts(tmp_path):
     assert plan.workload["hidden_size"] == 576
 
 
+def test_plan_projects_more_answers_per_prompt(tmp_path):
+    """answers_per_prompt 3: three times the answers to make and the train split's tokens,
+    the eval split unchanged (it keeps each prompt's first answer)."""
+    one = plan_lib.project(smollm2_config(), tmp_path)
+    three = plan_lib.project(smollm2_config(regenerate={"answers_per_prompt": 3}), tmp_path)
+    assert three.workload["regenerate"]["answers_to_make"] == pytest.approx(
+        3 * one.workload["regenerate"]["answers_to_make"])
+    assert three.workload["train_tokens"] == pytest.approx(3 * one.workload["train_tokens"], abs=3)
+    assert three.workload["train_samples"] == 3 * one.workload["train_samples"]
+    assert three.workload["eval_tokens"] == one.workload["eval_tokens"]
+    startup = plan_workload.ASSUMED_SELF_SERVED_STARTUP_S
+    assert stage_row(three, "regenerate").seconds - startup == pytest.approx(
+        3 * (stage_row(one, "regenerate").seconds - startup))
+
+
 def test_plan_projects_a_prompt_file_with_the_targets_answers(tmp_path):
     """A served target answering a prompt-only file: the prompts' bytes say nothing of the
     answers the dataset will hold."""

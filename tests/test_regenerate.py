@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -255,6 +256,62 @@ def test_crash_then_resume_sends_only_the_missing(full_run, server, proxy, datas
     assert requests_served(server) - before == sum(m["role"] == "assistant" for msgs in missing for m in msgs)
     # Greedy answers: crash + resume gives exactly what one uninterrupted run gave.
     assert read_rows(tmp_path / "out" / "responses.jsonl") == read_rows(full_run["work"] / "out" / "responses.jsonl")
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_more_answers_per_prompt_are_sampled_cached_and_trained_on(full_run, proxy, dataset, embedded, tmp_path):
+    """answers_per_prompt 3: the one-answer run's cache serves the first answers, two more
+    per conversation are sampled at extra_temperature with seeds of their own; a rerun
+    asking for fewer sends only what failed; the dataset trains on the further answers of
+    its train prompts only."""
+    import pyarrow.parquet as pq
+
+    shutil.copytree(full_run["work"] / "cache", tmp_path / "cache")
+    conversations = {sid: msgs for sid, msgs in iter_conversations(str(dataset)) if isinstance(msgs, list)}
+    answers_in = {sid: sum(m["role"] == "assistant" for m in msgs) for sid, msgs in conversations.items()}
+    # A sampled answer of the tiny target can be empty: such an answer fails and is left out.
+    settings = {"extra_temperature": 1.0, "max_failed_fraction": 0.2}
+    recorder = proxy()
+    assert main(regenerate_args(dataset, embedded, tmp_path, recorder.url, answers_per_prompt=3, **settings)) == 0
+    sent = [q["body"] for q in recorder.requests()]
+    failed = json.loads((tmp_path / "out" / "stats.json").read_text())["failed"]["rows"]
+    assert all("~answer" in f["id"] for f in failed) and len(failed) < NUM_CONVERSATIONS // 4
+    # Every further answer asked (a failed one may stop before its last turn).
+    assert 2 * sum(answers_in.values()) - 2 * len(failed) <= len(sent) <= 2 * sum(answers_in.values())
+    assert {q["temperature"] for q in sent} == {1.0}
+    assert len({(q["seed"], json.dumps(q["messages"])) for q in sent}) == len(sent)
+    rows = read_rows(tmp_path / "out" / "responses.jsonl")
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    first = read_rows(full_run["work"] / "out" / "responses.jsonl")
+    assert [{k: r[k] for k in ("id", "messages", "finish_reasons")} for r in rows] == first
+    assert sum(len(r["more_answers"]) for r in rows) == stats["more_answers"] == 2 * NUM_CONVERSATIONS - len(failed)
+    assert stats["turns"] == sum(answers_in.values()) + sum(len(m["finish_reasons"]) for r in rows
+                                                          for m in r["more_answers"])
+    # Sampled, so unlike the greedy first answer (two equal greedy-length samples are rare).
+    differing = sum(more["messages"] != r["messages"] for r in rows for more in r["more_answers"])
+    assert differing >= NUM_CONVERSATIONS
+
+    again = proxy()
+    assert main(regenerate_args(dataset, embedded, tmp_path, again.url, answers_per_prompt=2, **settings)) == 0
+    retried = {f["id"].split("~answer")[0] for f in failed if f["id"].endswith("~answer2")}
+    assert len(again.requests()) <= sum(answers_in[sid] for sid in retried)
+    fewer = read_rows(tmp_path / "out" / "responses.jsonl")
+    assert [r["more_answers"][:1] for r in fewer if r["id"] not in retried] == \
+        [r["more_answers"][:1] for r in rows if r["id"] not in retried]
+    assert all(len(r["more_answers"]) <= 1 for r in fewer)
+
+    prepared = prepare_dataset(str(dataset), embedded / "target", tmp_path / "dataset",
+                               DatasetConfig(max_bad_fraction=0.1, eval_fraction=0.2),
+                               regenerated=tmp_path / "out" / "responses.jsonl")
+    train = pq.read_table(tmp_path / "dataset" / "train.parquet").column("id").to_pylist()
+    held_out = pq.read_table(tmp_path / "dataset" / "eval.parquet").column("id").to_pylist()
+    assert held_out and not any("~answer" in sid for sid in held_out)
+    with_second = {r["id"] for r in fewer if r["more_answers"]}
+    firsts = [sid for sid in train if "~answer" not in sid]
+    assert sorted(sid for sid in train if "~answer" in sid) == sorted(
+        f"{sid}~answer2" for sid in firsts if sid in with_second)
+    assert prepared["regenerated"]["more_answers"]["samples"] == len([s for s in firsts if s in with_second])
+    assert len(firsts) + len(held_out) == NUM_CONVERSATIONS
 
 
 @pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)

@@ -54,6 +54,7 @@ MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 SHARED = {
     "builtin_prompts": 1500,    # prompts, answered greedily by the target (max 256 tokens)
     "answer_max_tokens": 256,
+    "answers_per_prompt": 1,    # regenerate.answers_per_prompt: both trainers get every answer of the train split
     "eval_fraction": 0.06,
     "draft_vocab_size": 8192,
     "ttt_steps": 7,
@@ -105,7 +106,8 @@ def project(work: Path, variant: str, train_overrides: dict) -> Path:
         "target": {"builtin": "smollm2-135m"},
         "dataset": {"builtin_prompts": SHARED["builtin_prompts"], "eval_fraction": SHARED["eval_fraction"],
                     "max_length": SHARED["max_length"]},
-        "regenerate": {"enabled": True, "temperature": 0.0, "max_tokens": SHARED["answer_max_tokens"]},
+        "regenerate": {"enabled": True, "temperature": 0.0, "max_tokens": SHARED["answer_max_tokens"],
+                       "answers_per_prompt": SHARED["answers_per_prompt"]},
         "vocab": {"draft_vocab_size": SHARED["draft_vocab_size"]},
         "train": {"ttt_steps": SHARED["ttt_steps"], "epochs": SHARED["epochs"],
                   "batch_tokens": SHARED["batch_tokens"], **train_overrides},

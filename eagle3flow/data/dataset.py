@@ -20,7 +20,9 @@ the run fails once they exceed ``max_bad_fraction`` of the processed rows.
 With ``--regenerated`` (regenerate_responses' responses.jsonl) every sample's
 assistant turns are the target's own answers; samples it has none for (failed, or
 beyond its ``max_samples``) are left out and listed in stats.json under
-``regenerated.skipped``, which also counts the samples regenerated.
+``regenerated.skipped``, which also counts the samples regenerated. Further answers of
+a prompt (regenerate's ``answers_per_prompt``) are training samples of their own (id
+``<id>~answer<k>``) when the prompt is in the train split; an eval prompt keeps its first.
 
 Outputs (docs/formats.md, each written to a temporary name then renamed; stats.json
 last): train.parquet, eval.parquet (id, input_ids list<int32>, loss_mask list<int8>,
@@ -45,7 +47,8 @@ from eagle3flow.data.chat_masks import ChatMasker, load_tokenizer
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
 from eagle3flow.data.regenerated import Skipped, load_regenerated
-from eagle3flow.data.samples import LENGTH_POLICIES, LIST_LIMIT, Tally, apply_length_policy, row_results
+from eagle3flow.data.samples import (LENGTH_POLICIES, LIST_LIMIT, Tally, apply_length_policy, row_results,
+                                     tokenize_more_answers)
 from eagle3flow.data.sources import DatasetError, load_sources
 from eagle3flow.data.writer import SampleWriter, split_outputs
 from eagle3flow.progress import Progress
@@ -105,7 +108,9 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     docs/formats.md); returns the stats. Raises DatasetError on unusable input.
     ``regenerated``: regenerate_responses' responses.jsonl; each sample's assistant
     turns are then the target's own answers, and samples without one are left out
-    (listed under ``regenerated.skipped``).
+    (listed under ``regenerated.skipped``). A training sample's further answers
+    (regenerate's ``answers_per_prompt``) become training samples of their own, id
+    ``<id>~answer<k>``, after all first answers (``regenerated.more_answers``).
     """
     config = config or DatasetConfig()
     config.validate()
@@ -129,6 +134,17 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     answers = load_regenerated(regenerated) if regenerated else None
     skipped = Tally()
     regenerated_kept = truncated_answers = 0
+    with_more = []   # (kept position, row) of the samples with further regenerated answers
+
+    def fitted(sample_id: str, outcome, bad_rows: Tally):
+        """``(sample fitted to max_length or None, prompt_json)``; what is left out is counted."""
+        if isinstance(outcome, BadRow):
+            (skipped if isinstance(outcome, Skipped) else bad_rows).add(sample_id, outcome.reason, outcome.detail)
+            return None, None
+        prompt_json, input_ids, loss_mask = outcome
+        return apply_length_policy(sample_id, input_ids, loss_mask, config.max_length, config.length_policy,
+                                   dropped, truncated), prompt_json
+
     results = row_results(order, sources, ids, locations, masker, config.num_workers, answers)
     try:
         for g, outcome in results:
@@ -136,27 +152,20 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
                 break
             processed += 1
             sample_id = ids[g]
-            sample = None
-            if isinstance(outcome, Skipped):
-                skipped.add(sample_id, outcome.reason, outcome.detail)
-            elif isinstance(outcome, BadRow):
-                bad.add(sample_id, outcome.reason, outcome.detail)
-            else:
-                prompt_json, input_ids, loss_mask = outcome
-                sample = apply_length_policy(sample_id, input_ids, loss_mask, config.max_length,
-                                             config.length_policy, dropped, truncated)
+            sample, prompt_json = fitted(sample_id, outcome, bad)
             if sample is not None:
                 writer.add(sample_id, *sample, prompt_json)
                 kept += 1
                 if answers is not None:
                     regenerated_kept += 1
                     truncated_answers += "length" in answers[sample_id].get("finish_reasons", [])
+                    if answers[sample_id].get("more_answers"):
+                        with_more.append((kept - 1, g))
             # The final fraction is at least bad / total_rows: fail as soon as that is too high.
             if bad.count > config.max_bad_fraction * total_rows:
                 raise _bad_error(bad, processed, config.max_bad_fraction)
             progress.update(1 if cap is None or sample is not None else 0,
                             extra=f"bad {bad.count} dropped {dropped.count}")
-        writer.close()
         progress.close()
         if bad.count > config.max_bad_fraction * processed:
             raise _bad_error(bad, processed, config.max_bad_fraction)
@@ -166,6 +175,19 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
         n_eval = 0
         if config.eval_fraction > 0 and kept >= 2:
             n_eval = min(kept - 1, max(1, round(config.eval_fraction * kept)))
+        # Further answers of training prompts only (an eval prompt seen in training would
+        # not be held out); written after every first answer, so they land in the train split.
+        more_kept, more_skipped = 0, Tally()
+        for position, g in with_more:
+            if position < n_eval:
+                continue
+            source, index = sources[locations[g][0]], locations[g][1]
+            for answer_id, outcome in tokenize_more_answers(source, index, ids[g], masker, answers):
+                sample, prompt_json = fitted(answer_id, outcome, more_skipped)
+                if sample is not None:
+                    writer.add(answer_id, *sample, prompt_json)
+                    more_kept += 1
+        writer.close()
         split_stats = split_outputs(all_path, out_dir, n_eval)
     finally:
         results.close()  # stops the worker pool, if any
@@ -186,7 +208,8 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
         # Which answers the draft learns from: the dataset's own, or the target's.
         "regenerated": ({"source": str(regenerated), "samples": regenerated_kept,
                          "fraction": regenerated_kept / max(kept, 1),
-                         "truncated_answers": truncated_answers, "skipped": skipped.to_json()}
+                         "truncated_answers": truncated_answers, "skipped": skipped.to_json(),
+                         "more_answers": {"samples": more_kept, "skipped": more_skipped.to_json()}}
                         if answers is not None else {"source": None, "samples": 0, "fraction": 0.0}),
     }
     with open(out_dir / ".stats.json.tmp", "w", encoding="utf-8") as f:

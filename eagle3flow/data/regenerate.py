@@ -36,11 +36,17 @@ the conversations not in the cache. Failed prompts are not cached (a rerun retri
 them); the stage fails once they exceed ``max_failed_fraction`` of the prompts,
 else they are listed with their reason and skipped.
 
+More answers per prompt (``answers_per_prompt`` N > 1): the first answer as above, then
+N-1 more of each conversation sampled at ``extra_temperature``, each its own request
+(sample id ``<id>~answer<k>``, so its own seed and cache entry) after every first answer
+is in. Changing N or ``extra_temperature`` keeps the first answers cached.
+
 Outputs (written when every prompt is answered or skipped; stats.json last):
 ``responses.jsonl``, one row per sample in prompt order, either
 ``{"id", "messages": [...all turns, assistant ones regenerated...], "finish_reasons":
-[...per assistant turn...]}`` or ``{"id", "failed": reason}``; ``stats.json``
-(counts, truncated answers (finish_reason "length"), failures, tokens, tokens/s).
+[...per assistant turn...]}`` (with N > 1 also ``"more_answers": [{"messages",
+"finish_reasons"}, ...]``, those that did not fail) or ``{"id", "failed": reason}``;
+``stats.json`` (counts, truncated answers (finish_reason "length"), failures, tokens, tokens/s).
 
 CLI::
 
@@ -76,6 +82,8 @@ FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reas
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")
 URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
 LIST_LIMIT = 1000
+# Sample id of a conversation's k-th answer (k >= 2, answers_per_prompt).
+EXTRA_ANSWER = "{sample_id}~answer{k}"
 
 
 class RegenerateError(RuntimeError):
@@ -176,8 +184,10 @@ class Settings:
 
 
 def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, messages: list[dict],
-                        stop: threading.Event, counters: dict, lock: threading.Lock) -> dict:
-    """The conversation with every assistant turn answered by the target, turn by turn.
+                        stop: threading.Event, counters: dict, lock: threading.Lock,
+                        temperature: float | None = None) -> dict:
+    """The conversation with every assistant turn answered by the target, turn by turn
+    (at ``temperature``, else the configured one).
 
     Returns the cache entry ``{"id", "prompt_sha", "messages", "finish_reasons",
     "prompt_tokens", "completion_tokens"}``; raises PromptFailed.
@@ -196,7 +206,7 @@ def answer_conversation(client: ChatClient, settings: Settings, sample_id: str, 
             raise PromptFailed("stopped")
         turn = len(finish_reasons)
         body = {"model": settings.model, "messages": sent, "max_tokens": cfg["max_tokens"],
-                "temperature": cfg["temperature"], "top_p": cfg["top_p"],
+                "temperature": cfg["temperature"] if temperature is None else temperature, "top_p": cfg["top_p"],
                 "seed": request_seed(cfg["seed"], sample_id, turn), **cfg["extra_body"]}
         if tools:
             body["tools"] = tools
@@ -259,6 +269,23 @@ class ResponseCache:
         self._file.close()
 
 
+class Job:
+    """One request chain: a conversation's first answer, or its k-th (k >= 2)."""
+
+    def __init__(self, sample_id: str, messages: list[dict], k: int, cfg: dict):
+        self.base_id, self.messages, self.k = sample_id, messages, k
+        self.id = sample_id if k == 1 else EXTRA_ANSWER.format(sample_id=sample_id, k=k)
+        self.temperature = None if k == 1 else float(cfg["extra_temperature"])
+        # A further answer is also keyed by its temperature: a new one asks again.
+        self.sha = prompt_hash(messages) if k == 1 else f"{prompt_hash(messages)}@t{self.temperature!r}"
+
+
+def jobs_for(conversations: list[tuple[str, list[dict]]], cfg: dict) -> list[Job]:
+    """Every conversation's first answer, then (answers_per_prompt > 1) the further ones."""
+    return [Job(sid, msgs, k, cfg) for k in range(1, int(cfg["answers_per_prompt"]) + 1)
+            for sid, msgs in conversations]
+
+
 def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict) -> str:
     keys = {k: cfg[k] for k in FINGERPRINT_KEYS}
     keys.update(model=model, reasoning=form, chat_template_kwargs=template_kwargs)
@@ -288,6 +315,8 @@ def _resolve(cfg: dict | None) -> dict:
         raise ValueError(f"unknown regenerate settings: {sorted(unknown)}")
     if cfg["reasoning"] not in REASONING_FORMS:
         raise ValueError(f"regenerate.reasoning {cfg['reasoning']!r} is not one of {REASONING_FORMS}")
+    if int(cfg["answers_per_prompt"]) < 1:
+        raise ValueError(f"regenerate.answers_per_prompt must be >= 1, got {cfg['answers_per_prompt']}")
     if cfg["max_concurrency"] < 1:
         raise ValueError(f"regenerate.max_concurrency must be >= 1, got {cfg['max_concurrency']}")
     return cfg
@@ -316,18 +345,20 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     model = check_server(client, model_setting, base_url, cfg["api_key_env"])
     cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs)
     cache = ResponseCache(cache_dir / "responses.jsonl")
-    todo = [(sid, msgs) for sid, msgs in conversations
-            if cache.entries.get(sid, {}).get("prompt_sha") != prompt_hash(msgs)]
-    total = len(conversations)
-    print(f"regenerate: {total} conversations, {total - len(todo)} already answered in {cache_dir}, "
-          f"sending {len(todo)} to {redact_url(base_url)} (model {model!r}, reasoning as {form}, "
+    jobs = jobs_for(conversations, cfg)
+    todo = [job for job in jobs if cache.entries.get(job.id, {}).get("prompt_sha") != job.sha]
+    total = len(jobs)
+    answers = f", {cfg['answers_per_prompt']} answers each" if len(jobs) > len(conversations) else ""
+    print(f"regenerate: {len(conversations)} conversations{answers}, {total - len(todo)} answers already in "
+          f"{cache_dir}, sending {len(todo)} to {redact_url(base_url)} (model {model!r}, reasoning as {form}, "
           f"at most {cfg['max_concurrency']} at a time)", file=sys.stderr, flush=True)
 
     settings = Settings(cfg, model, form, template_kwargs)
     failures: list[dict] = []
     counters = {"retries": 0, "completion_tokens": 0}
     lock, stop = threading.Lock(), threading.Event()
-    progress = Progress("regenerate", len(todo), "conversations", interval=progress_interval)
+    progress = Progress("regenerate", len(todo), "answers" if answers else "conversations",
+                        interval=progress_interval)
     t_send, rate_written = time.monotonic(), 0.0
     allowed_failures = cfg["max_failed_fraction"] * total
     pending: dict = {}
@@ -336,21 +367,21 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
         queue = iter(todo)
         while True:
             # A bounded window of submitted conversations (memory stays flat for any dataset).
-            for sid, msgs in queue:
-                pending[pool.submit(answer_conversation, client, settings, sid, msgs, stop,
-                                    counters, lock)] = sid
+            for job in queue:
+                pending[pool.submit(answer_conversation, client, settings, job.id, job.messages, stop,
+                                    counters, lock, job.temperature)] = job
                 if len(pending) >= 2 * cfg["max_concurrency"]:
                     break
             if not pending:
                 break
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
-                sid = pending.pop(future)
+                job = pending.pop(future)
                 try:
-                    entry = future.result()
+                    entry = {**future.result(), "prompt_sha": job.sha}
                 except PromptFailed as error:
-                    failures.append({"id": sid, "reason": error.reason})
-                    print(f"regenerate: {sid}: failed: {error.reason}", file=sys.stderr, flush=True)
+                    failures.append({"id": job.id, "reason": error.reason})
+                    print(f"regenerate: {job.id}: failed: {error.reason}", file=sys.stderr, flush=True)
                     if len(failures) > allowed_failures:
                         stop.set()
                         raise RegenerateError(_too_many(failures, total, cfg["max_failed_fraction"]))
@@ -370,10 +401,11 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
         client.close()
     progress.close()
 
-    stats = _write_outputs(conversations, cache.entries, failures, out_dir, {
+    stats = _write_outputs(conversations, int(cfg["answers_per_prompt"]), cache.entries, failures, out_dir, {
         "server": {"url": redact_url(base_url), "model": model},
-        "settings": {k: cfg[k] for k in FINGERPRINT_KEYS if k != "model"} | {"reasoning": form,
-                                                                             "chat_template_kwargs": template_kwargs},
+        "settings": {k: cfg[k] for k in FINGERPRINT_KEYS if k != "model"} | {
+            "reasoning": form, "chat_template_kwargs": template_kwargs,
+            "answers_per_prompt": cfg["answers_per_prompt"], "extra_temperature": cfg["extra_temperature"]},
         "cache": str(cache_dir),
         "sent": {"conversations": len(todo), "requests": client.requests - 1,  # minus /v1/models
                  "retries": counters["retries"], "wall_s": round(time.monotonic() - t0, 1),
@@ -394,10 +426,11 @@ def _too_many(failures: list[dict], total: int, fraction: float) -> str:
             f"are kept in the cache; a rerun sends only the rest")
 
 
-def _write_outputs(conversations, entries: dict, failures: list[dict], out_dir: Path, extra: dict) -> dict:
+def _write_outputs(conversations, answers_per_prompt: int, entries: dict, failures: list[dict], out_dir: Path,
+                   extra: dict) -> dict:
     failed = {f["id"]: f["reason"] for f in failures}
     out_dir.mkdir(parents=True, exist_ok=True)
-    truncated, turns, tokens = [], 0, 0
+    truncated, turns, tokens, more = [], 0, 0, 0
     tmp = out_dir / ".responses.jsonl.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for sid, _ in conversations:
@@ -409,16 +442,28 @@ def _write_outputs(conversations, entries: dict, failures: list[dict], out_dir: 
             tokens += entry["completion_tokens"]
             if "length" in entry["finish_reasons"]:
                 truncated.append(sid)
-            f.write(json.dumps({"id": sid, "messages": entry["messages"],
-                                "finish_reasons": entry["finish_reasons"]}, ensure_ascii=False) + "\n")
+            row = {"id": sid, "messages": entry["messages"], "finish_reasons": entry["finish_reasons"]}
+            if answers_per_prompt > 1:
+                extras = [entries[i] for i in (EXTRA_ANSWER.format(sample_id=sid, k=k)
+                                               for k in range(2, answers_per_prompt + 1))
+                          if i not in failed]
+                row["more_answers"] = [{"messages": e["messages"], "finish_reasons": e["finish_reasons"]}
+                                       for e in extras]
+                more += len(extras)
+                for e in extras:
+                    turns += len(e["finish_reasons"])
+                    tokens += e["completion_tokens"]
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     stats = {
         "conversations": len(conversations),
-        "regenerated": len(conversations) - len(failed),
+        "regenerated": sum(sid not in failed for sid, _ in conversations),
+        "more_answers": more,
         "turns": turns,
         "completion_tokens": tokens,
         "truncated": {"count": len(truncated), "ids": truncated[:LIST_LIMIT],
                       "note": "finish_reason length: the answer hit regenerate.max_tokens"},
-        "failed": {"count": len(failures), "fraction": len(failures) / max(len(conversations), 1),
+        "failed": {"count": len(failures),
+                   "fraction": len(failures) / max(len(conversations) * answers_per_prompt, 1),
                    "rows": failures[:LIST_LIMIT]},
         **extra,
     }

@@ -66,6 +66,34 @@ def tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker,
     return json.dumps(prompt_messages(messages), ensure_ascii=False), input_ids, loss_mask
 
 
+def tokenize_more_answers(source: Source, index: int, sample_id: str, masker: ChatMasker, regenerated: dict):
+    """``(id, outcome)`` for each further answer of one regenerated row (regenerate's
+    ``answers_per_prompt``): id ``<sample_id>~answer<k>``, outcome as :func:`tokenize_row`'s."""
+    entry = regenerated.get(sample_id) or {}
+    more = entry.get("more_answers") or []
+    if not more:
+        return []
+    messages = conversation_from_record(source.rows[index], source.format, answer_prompts=True)
+    outcomes = []
+    for k, answer in enumerate(more, start=2):
+        answer_id = f"{sample_id}~answer{k}"
+        conversation = with_regenerated_answers(sample_id, messages, {sample_id: answer})
+        if isinstance(conversation, BadRow):
+            outcomes.append((answer_id, conversation))
+            continue
+        try:
+            input_ids, loss_mask = masker.tokenize(conversation, answer_id)
+        except MaskError as error:
+            outcomes.append((answer_id, BadRow("loss mask", str(error))))
+            continue
+        except Exception as error:  # the chat template is the model repo's code
+            outcomes.append((answer_id, BadRow("template error", f"{type(error).__name__}: {error}"[:300])))
+            continue
+        outcomes.append((answer_id, (json.dumps(prompt_messages(conversation), ensure_ascii=False),
+                                     input_ids, loss_mask)))
+    return outcomes
+
+
 _WORKER_STATE: tuple = ()  # (sources, ids, locations, masker, regenerated), inherited by forked workers
 CHUNK_ROWS = 64
 

@@ -111,10 +111,12 @@ def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | N
     if dataset:
         splits = dataset["splits"]
         regenerated = (dataset.get("regenerated") or {}).get("samples", 0)
+        more = ((dataset.get("regenerated") or {}).get("more_answers") or {}).get("samples", 0)
         lines += ["## Training data", "",
                   f"{splits['train']['samples']:,} conversations ({splits['train']['tokens']:,} tokens) for training, "
                   f"{splits['eval']['samples']:,} held out; "
-                  + (f"answers written by the target itself ({regenerated:,} regenerated)."
+                  + (f"answers written by the target itself ({regenerated:,} regenerated"
+                     + (f", and {more:,} further answers to training prompts" if more else "") + ")."
                      if regenerated else "the dataset's own answers."), ""]
     if train_eval:
         cfg = train_eval.get("train_config") or {}

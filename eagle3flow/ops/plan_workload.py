@@ -164,8 +164,9 @@ def workload(config: dict, root: Path) -> dict:
 
     With regeneration (regenerate.enabled) the dataset is the prompts with the target's
     answers, not the file's: prompts x answers per prompt x (prompt + answer tokens),
-    the answer length from :func:`answer_tokens`. ``regenerate`` then says how many
-    answers are still to be generated and how many tokens they are."""
+    the answer length from :func:`answer_tokens`; with ``regenerate.answers_per_prompt`` N
+    the train split holds N answers of each prompt, the eval split one. ``regenerate`` then
+    says how many answers are still to be generated and how many tokens they are."""
     results = root / layout(config)["results"]
     stats_file = results / "dataset" / "stats.json"
     regen = bool((config.get("regenerate") or {}).get("enabled"))
@@ -208,8 +209,9 @@ def workload(config: dict, root: Path) -> dict:
             samples = sampled["rows"]
             shape = (samples, sampled["answers_per_row"], sampled["prompt_tokens_per_answer"])
             basis = (f"estimate: {samples:,} rows of {src.name}" + ("" if sampled["exact"] else " (sampled)"))
-    regen_info = None
+    regen_info, per_prompt = None, 1
     if regen and shape is not None:
+        per_prompt = int(config["regenerate"].get("answers_per_prompt", 1))
         rows, per_row, prompt_tokens = shape
         if max_samples and max_samples < rows:
             rows = samples = max_samples
@@ -218,16 +220,19 @@ def workload(config: dict, root: Path) -> dict:
         tokens = answers * (prompt_tokens + answer + TEMPLATE_TOKENS_PER_TURN)
         basis += (f" x {per_row:.2f} answers x ({prompt_tokens:.0f} prompt + {answer:.0f} answer + "
                   f"{TEMPLATE_TOKENS_PER_TURN} template tokens; answers: {answer_basis})")
-        regen_info = {"answers": answers, "answers_to_make": max(0.0, answers - made),
-                      "answer_tokens": answer, "answer_tokens_to_make": max(0.0, answers - made) * answer,
+        if per_prompt > 1:
+            basis += f"; train: {per_prompt} answers per prompt"
+        all_answers = answers * per_prompt
+        regen_info = {"answers": all_answers, "answers_to_make": max(0.0, all_answers - made),
+                      "answer_tokens": answer, "answer_tokens_to_make": max(0.0, all_answers - made) * answer,
                       "answer_basis": answer_basis}
     elif max_samples and max_samples < samples:
         tokens, samples = tokens * max_samples / samples, max_samples
     tokens = min(tokens, samples * ds["max_length"])
     eval_tokens = tokens * ds["eval_fraction"]
     eval_samples = int(samples * ds["eval_fraction"])
-    out = {"train_tokens": int(tokens - eval_tokens), "eval_tokens": int(eval_tokens),
-           "train_samples": samples - eval_samples, "eval_samples": eval_samples, "basis": basis}
+    out = {"train_tokens": int((tokens - eval_tokens) * per_prompt), "eval_tokens": int(eval_tokens),
+           "train_samples": (samples - eval_samples) * per_prompt, "eval_samples": eval_samples, "basis": basis}
     if regen_info:
         out["regenerate"] = regen_info
     return out
