@@ -72,6 +72,7 @@ from eagle3flow.config import schema_defaults
 from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries, redact_url
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
+from eagle3flow.data.regenerated import more_answer_id
 from eagle3flow.progress import Progress
 from eagle3flow.serving.vllm_server import ServerError, serve_target
 
@@ -82,8 +83,6 @@ FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reas
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")
 URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
 LIST_LIMIT = 1000
-# Sample id of a conversation's k-th answer (k >= 2, answers_per_prompt).
-EXTRA_ANSWER = "{sample_id}~answer{k}"
 
 
 class RegenerateError(RuntimeError):
@@ -273,8 +272,8 @@ class Job:
     """One request chain: a conversation's first answer, or its k-th (k >= 2)."""
 
     def __init__(self, sample_id: str, messages: list[dict], k: int, cfg: dict):
-        self.base_id, self.messages, self.k = sample_id, messages, k
-        self.id = sample_id if k == 1 else EXTRA_ANSWER.format(sample_id=sample_id, k=k)
+        self.messages = messages
+        self.id = sample_id if k == 1 else more_answer_id(sample_id, k)
         self.temperature = None if k == 1 else float(cfg["extra_temperature"])
         # A further answer is also keyed by its temperature: a new one asks again.
         self.sha = prompt_hash(messages) if k == 1 else f"{prompt_hash(messages)}@t{self.temperature!r}"
@@ -444,8 +443,7 @@ def _write_outputs(conversations, answers_per_prompt: int, entries: dict, failur
                 truncated.append(sid)
             row = {"id": sid, "messages": entry["messages"], "finish_reasons": entry["finish_reasons"]}
             if answers_per_prompt > 1:
-                extras = [entries[i] for i in (EXTRA_ANSWER.format(sample_id=sid, k=k)
-                                               for k in range(2, answers_per_prompt + 1))
+                extras = [entries[i] for i in (more_answer_id(sid, k) for k in range(2, answers_per_prompt + 1))
                           if i not in failed]
                 row["more_answers"] = [{"messages": e["messages"], "finish_reasons": e["finish_reasons"]}
                                        for e in extras]

@@ -12,6 +12,12 @@ class Skipped(BadRow):
     """A usable row left out on purpose (no regenerated answer): listed, not counted as bad."""
 
 
+def more_answer_id(sample_id: str, k: int) -> str:
+    """The sample id of a conversation's ``k``-th answer (``k >= 2``; regenerate's
+    ``answers_per_prompt``): its cache entry, its seed and its training sample."""
+    return f"{sample_id}~answer{k}"
+
+
 def load_regenerated(path: str | Path) -> dict[str, dict]:
     """regenerate_responses' ``responses.jsonl``: sample id -> ``{"messages", "finish_reasons"}``
     or ``{"failed": reason}``."""

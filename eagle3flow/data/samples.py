@@ -13,7 +13,7 @@ import numpy as np
 
 from eagle3flow.data.chat_masks import ChatMasker, MaskError
 from eagle3flow.data.records import BadRow, conversation_from_record, prompt_messages
-from eagle3flow.data.regenerated import with_regenerated_answers
+from eagle3flow.data.regenerated import more_answer_id, with_regenerated_answers
 from eagle3flow.data.sources import Source
 
 # What a sample longer than max_length becomes: cut to it, or left out. The extraction
@@ -55,8 +55,14 @@ def tokenize_row(source: Source, index: int, sample_id: str, masker: ChatMasker,
         return error
     if regenerated is not None:
         messages = with_regenerated_answers(sample_id, messages, regenerated)
-        if isinstance(messages, BadRow):
-            return messages
+    return tokenize_conversation(messages, sample_id, masker)
+
+
+def tokenize_conversation(messages, sample_id: str, masker: ChatMasker):
+    """(prompt_json, input_ids, loss_mask) of one conversation, or the BadRow saying why not
+    (``messages`` may already be one)."""
+    if isinstance(messages, BadRow):
+        return messages
     try:
         input_ids, loss_mask = masker.tokenize(messages, sample_id)
     except MaskError as error:
@@ -74,24 +80,10 @@ def tokenize_more_answers(source: Source, index: int, sample_id: str, masker: Ch
     if not more:
         return []
     messages = conversation_from_record(source.rows[index], source.format, answer_prompts=True)
-    outcomes = []
-    for k, answer in enumerate(more, start=2):
-        answer_id = f"{sample_id}~answer{k}"
-        conversation = with_regenerated_answers(sample_id, messages, {sample_id: answer})
-        if isinstance(conversation, BadRow):
-            outcomes.append((answer_id, conversation))
-            continue
-        try:
-            input_ids, loss_mask = masker.tokenize(conversation, answer_id)
-        except MaskError as error:
-            outcomes.append((answer_id, BadRow("loss mask", str(error))))
-            continue
-        except Exception as error:  # the chat template is the model repo's code
-            outcomes.append((answer_id, BadRow("template error", f"{type(error).__name__}: {error}"[:300])))
-            continue
-        outcomes.append((answer_id, (json.dumps(prompt_messages(conversation), ensure_ascii=False),
-                                     input_ids, loss_mask)))
-    return outcomes
+    return [(more_answer_id(sample_id, k),
+             tokenize_conversation(with_regenerated_answers(sample_id, messages, {sample_id: answer}),
+                                   more_answer_id(sample_id, k), masker))
+            for k, answer in enumerate(more, start=2)]
 
 
 _WORKER_STATE: tuple = ()  # (sources, ids, locations, masker, regenerated), inherited by forked workers
