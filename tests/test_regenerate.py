@@ -299,6 +299,7 @@ def test_more_answers_per_prompt_are_sampled_cached_and_trained_on(full_run, pro
     assert [r["more_answers"][:1] for r in fewer if r["id"] not in retried] == \
         [r["more_answers"][:1] for r in rows if r["id"] not in retried]
     assert all(len(r["more_answers"]) <= 1 for r in fewer)
+    assert all(m["id"].startswith(r["id"] + "~answer") for r in rows for m in r["more_answers"])
 
     prepared = prepare_dataset(str(dataset), embedded / "target", tmp_path / "dataset",
                                DatasetConfig(max_bad_fraction=0.1, eval_fraction=0.2),
@@ -309,7 +310,10 @@ def test_more_answers_per_prompt_are_sampled_cached_and_trained_on(full_run, pro
     with_second = {r["id"] for r in fewer if r["more_answers"]}
     firsts = [sid for sid in train if "~answer" not in sid]
     assert sorted(sid for sid in train if "~answer" in sid) == sorted(
-        f"{sid}~answer2" for sid in firsts if sid in with_second)
+        r["more_answers"][0]["id"] for r in fewer if r["id"] in firsts and r["more_answers"])
+    # Each further answer follows its first: the train split keeps the processing order.
+    assert all(train[i - 1].split("~answer")[0] == sid.split("~answer")[0]
+               for i, sid in enumerate(train) if "~answer" in sid)
     assert prepared["regenerated"]["more_answers"]["samples"] == len([s for s in firsts if s in with_second])
     assert len(firsts) + len(held_out) == NUM_CONVERSATIONS
 

@@ -134,7 +134,11 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     answers = load_regenerated(regenerated) if regenerated else None
     skipped = Tally()
     regenerated_kept = truncated_answers = 0
-    with_more = []   # (kept position, row) of the samples with further regenerated answers
+    # Further regenerated answers follow their first answer in the file (the train split
+    # keeps the processing order's randomness for streaming partitions); the split drops
+    # those of eval prompts. Positions in the file: each kept first answer's, the further ones'.
+    first_rows, more_rows = [], []
+    more_skipped = Tally()
 
     def fitted(sample_id: str, outcome, bad_rows: Tally):
         """``(sample fitted to max_length or None, prompt_json)``; what is left out is counted."""
@@ -154,13 +158,18 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
             sample_id = ids[g]
             sample, prompt_json = fitted(sample_id, outcome, bad)
             if sample is not None:
+                first_rows.append(writer.rows)
                 writer.add(sample_id, *sample, prompt_json)
                 kept += 1
                 if answers is not None:
                     regenerated_kept += 1
                     truncated_answers += "length" in answers[sample_id].get("finish_reasons", [])
-                    if answers[sample_id].get("more_answers"):
-                        with_more.append((kept - 1, g))
+                    source, index = sources[locations[g][0]], locations[g][1]
+                    for answer_id, more in tokenize_more_answers(source, index, sample_id, masker, answers):
+                        more_sample, more_prompt = fitted(answer_id, more, more_skipped)
+                        if more_sample is not None:
+                            more_rows.append(writer.rows)
+                            writer.add(answer_id, *more_sample, more_prompt)
             # The final fraction is at least bad / total_rows: fail as soon as that is too high.
             if bad.count > config.max_bad_fraction * total_rows:
                 raise _bad_error(bad, processed, config.max_bad_fraction)
@@ -175,20 +184,13 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
         n_eval = 0
         if config.eval_fraction > 0 and kept >= 2:
             n_eval = min(kept - 1, max(1, round(config.eval_fraction * kept)))
-        # Further answers of training prompts only (an eval prompt seen in training would
-        # not be held out); written after every first answer, so they land in the train split.
-        more_kept, more_skipped = 0, Tally()
-        for position, g in with_more:
-            if position < n_eval:
-                continue
-            source, index = sources[locations[g][0]], locations[g][1]
-            for answer_id, outcome in tokenize_more_answers(source, index, ids[g], masker, answers):
-                sample, prompt_json = fitted(answer_id, outcome, more_skipped)
-                if sample is not None:
-                    writer.add(answer_id, *sample, prompt_json)
-                    more_kept += 1
         writer.close()
-        split_stats = split_outputs(all_path, out_dir, n_eval)
+        # The eval split is the first n_eval first answers; an eval prompt's further answers
+        # are left out (a prompt seen in training would not be held out).
+        cut = first_rows[n_eval] if n_eval < len(first_rows) else writer.rows
+        held_out_more = {row for row in more_rows if row < cut}
+        more_kept = len(more_rows) - len(held_out_more)
+        split_stats = split_outputs(all_path, out_dir, cut, drop=held_out_more)
     finally:
         results.close()  # stops the worker pool, if any
         writer.writer.close()  # idempotent; releases the file before it is removed

@@ -272,7 +272,7 @@ class Job:
     """One request chain: a conversation's first answer, or its k-th (k >= 2)."""
 
     def __init__(self, sample_id: str, messages: list[dict], k: int, cfg: dict):
-        self.messages = messages
+        self.base_id, self.messages, self.first = sample_id, messages, k == 1
         self.id = sample_id if k == 1 else more_answer_id(sample_id, k)
         self.temperature = None if k == 1 else float(cfg["extra_temperature"])
         # A further answer is also keyed by its temperature: a new one asks again.
@@ -359,7 +359,11 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     progress = Progress("regenerate", len(todo), "answers" if answers else "conversations",
                         interval=progress_interval)
     t_send, rate_written = time.monotonic(), 0.0
-    allowed_failures = cfg["max_failed_fraction"] * total
+    # First answers and further ones are held to max_failed_fraction each: a conversation
+    # without its first answer is lost to the dataset, a missing further answer is not.
+    first_failed: set[str] = set()
+    allowed = {True: cfg["max_failed_fraction"] * len(conversations),
+               False: cfg["max_failed_fraction"] * (total - len(conversations))}
     pending: dict = {}
     pool = ThreadPoolExecutor(max_workers=cfg["max_concurrency"], thread_name_prefix="regenerate")
     try:
@@ -367,6 +371,9 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
         while True:
             # A bounded window of submitted conversations (memory stays flat for any dataset).
             for job in queue:
+                if not job.first and job.base_id in first_failed:
+                    progress.update(1)    # its conversation is left out: no further answer needed
+                    continue
                 pending[pool.submit(answer_conversation, client, settings, job.id, job.messages, stop,
                                     counters, lock, job.temperature)] = job
                 if len(pending) >= 2 * cfg["max_concurrency"]:
@@ -381,9 +388,14 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
                 except PromptFailed as error:
                     failures.append({"id": job.id, "reason": error.reason})
                     print(f"regenerate: {job.id}: failed: {error.reason}", file=sys.stderr, flush=True)
-                    if len(failures) > allowed_failures:
+                    if job.first:
+                        first_failed.add(job.id)
+                    same_kind = [f for f in failures if (f["id"] in first_failed) == job.first]
+                    if len(same_kind) > allowed[job.first]:
                         stop.set()
-                        raise RegenerateError(_too_many(failures, total, cfg["max_failed_fraction"]))
+                        raise RegenerateError(_too_many(
+                            same_kind, len(conversations) if job.first else total - len(conversations),
+                            cfg["max_failed_fraction"], "conversations" if job.first else "further answers"))
                 else:
                     cache.add(entry)
                     counters["completion_tokens"] += entry["completion_tokens"]
@@ -418,9 +430,9 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     return stats
 
 
-def _too_many(failures: list[dict], total: int, fraction: float) -> str:
+def _too_many(failures: list[dict], total: int, fraction: float, what: str = "conversations") -> str:
     first = "; ".join(f"{f['id']} ({f['reason']})" for f in failures[:3])
-    return (f"{len(failures)} of {total} conversations failed ({100.0 * len(failures) / max(total, 1):.2f}% "
+    return (f"{len(failures)} of {total} {what} failed ({100.0 * len(failures) / max(total, 1):.2f}% "
             f"> regenerate.max_failed_fraction {100.0 * fraction:.2f}%); first: {first}. Answers so far "
             f"are kept in the cache; a rerun sends only the rest")
 
@@ -445,12 +457,14 @@ def _write_outputs(conversations, answers_per_prompt: int, entries: dict, failur
             if answers_per_prompt > 1:
                 extras = [entries[i] for i in (more_answer_id(sid, k) for k in range(2, answers_per_prompt + 1))
                           if i not in failed]
-                row["more_answers"] = [{"messages": e["messages"], "finish_reasons": e["finish_reasons"]}
-                                       for e in extras]
+                row["more_answers"] = [{"id": e["id"], "messages": e["messages"],
+                                        "finish_reasons": e["finish_reasons"]} for e in extras]
                 more += len(extras)
                 for e in extras:
                     turns += len(e["finish_reasons"])
                     tokens += e["completion_tokens"]
+                    if "length" in e["finish_reasons"]:
+                        truncated.append(e["id"])
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     stats = {
         "conversations": len(conversations),
@@ -461,6 +475,7 @@ def _write_outputs(conversations, answers_per_prompt: int, entries: dict, failur
         "truncated": {"count": len(truncated), "ids": truncated[:LIST_LIMIT],
                       "note": "finish_reason length: the answer hit regenerate.max_tokens"},
         "failed": {"count": len(failures),
+                   "conversations": sum(sid in failed for sid, _ in conversations),
                    "fraction": len(failures) / max(len(conversations) * answers_per_prompt, 1),
                    "rows": failures[:LIST_LIMIT]},
         **extra,

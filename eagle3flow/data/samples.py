@@ -80,10 +80,10 @@ def tokenize_more_answers(source: Source, index: int, sample_id: str, masker: Ch
     if not more:
         return []
     messages = conversation_from_record(source.rows[index], source.format, answer_prompts=True)
-    return [(more_answer_id(sample_id, k),
-             tokenize_conversation(with_regenerated_answers(sample_id, messages, {sample_id: answer}),
-                                   more_answer_id(sample_id, k), masker))
-            for k, answer in enumerate(more, start=2)]
+    ids = [answer.get("id") or more_answer_id(sample_id, k) for k, answer in enumerate(more, start=2)]
+    return [(answer_id, tokenize_conversation(with_regenerated_answers(sample_id, messages, {sample_id: answer}),
+                                              answer_id, masker))
+            for answer_id, answer in zip(ids, more)]
 
 
 _WORKER_STATE: tuple = ()  # (sources, ids, locations, masker, regenerated), inherited by forked workers

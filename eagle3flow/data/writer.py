@@ -32,10 +32,12 @@ class SampleWriter:
         self.schema = _arrow_schema(with_prompt)
         self.writer = pq.ParquetWriter(str(path), self.schema)
         self.pending: list[tuple] = []
+        self.rows = 0   # samples added so far: the next one's row in the file
 
     def add(self, sample_id: str, input_ids: np.ndarray, loss_mask: np.ndarray,
             prompt_json: str | None = None) -> None:
         self.pending.append((sample_id, input_ids, loss_mask, prompt_json))
+        self.rows += 1
         if len(self.pending) >= WRITE_BATCH:
             self.flush()
 
@@ -61,8 +63,10 @@ class SampleWriter:
         self.writer.close()
 
 
-def split_outputs(all_path: Path, out_dir: Path, n_eval: int) -> dict:
-    """Rows [0, n_eval) of ``all_path`` -> eval, the rest -> train; returns per-split stats."""
+def split_outputs(all_path: Path, out_dir: Path, n_eval: int, drop: set[int] = frozenset()) -> dict:
+    """Rows [0, n_eval) of ``all_path`` -> eval (less the rows in ``drop``), the rest ->
+    train; returns per-split stats."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -73,7 +77,10 @@ def split_outputs(all_path: Path, out_dir: Path, n_eval: int) -> dict:
     with open(out_dir / ".eval_prompts.jsonl.tmp", "w", encoding="utf-8") as prompts:
         for batch in pq.ParquetFile(str(all_path)).iter_batches(batch_size=WRITE_BATCH):
             cut = min(max(n_eval - position, 0), batch.num_rows)
-            for name, part in (("eval", batch.slice(0, cut)), ("train", batch.slice(cut))):
+            held_out = batch.slice(0, cut)
+            if drop and cut:
+                held_out = held_out.filter(pa.array([position + i not in drop for i in range(cut)]))
+            for name, part in (("eval", held_out), ("train", batch.slice(cut))):
                 if part.num_rows == 0:
                     continue
                 stats = split_stats[name]

@@ -50,7 +50,10 @@ def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
     hs = plan.workload["hidden_state_bytes"]
     fixed = plan.peak_bytes - next(s.bytes for s in plan.stages if s.name == "extract")
     per_token = plan.workload["hidden_state_bytes_per_token"]
-    samples = plan.workload["train_samples"] + plan.workload["eval_samples"]
+    # dataset.max_samples caps prompts; with regenerate.answers_per_prompt N a training
+    # prompt is N samples.
+    per_prompt = plan.workload.get("answers_per_prompt", 1)
+    samples = plan.workload["train_samples"] // per_prompt + plan.workload["eval_samples"]
     out = []
     room = allowed - fixed
     if room <= 0:
@@ -60,7 +63,7 @@ def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
     fraction = room / hs
     if fraction < 1:
         fit = int(samples * fraction)
-        out.append(f"fewer samples: dataset.max_samples: {fit} (of {samples}) would need "
+        out.append(f"fewer samples: dataset.max_samples: {fit} (of {samples}{' prompts' if per_prompt > 1 else ''}) would need "
                    f"{format_bytes(fixed + hs * fit / samples)}")
     w = plan.workload
     if "storage_dtype" in config["extract"] and DTYPE_BYTES[w["storage_dtype"]] > 1:

@@ -175,7 +175,8 @@ def workload(config: dict, root: Path) -> dict:
             splits = json.load(f)["splits"]
         out = {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
                "train_samples": int(splits["train"]["samples"]),
-               "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file)}
+               "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file),
+               "answers_per_prompt": int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1}
         if regen:
             out["regenerate"] = {"answers_to_make": 0, "answer_tokens_to_make": 0}
         return out
@@ -209,9 +210,9 @@ def workload(config: dict, root: Path) -> dict:
             samples = sampled["rows"]
             shape = (samples, sampled["answers_per_row"], sampled["prompt_tokens_per_answer"])
             basis = (f"estimate: {samples:,} rows of {src.name}" + ("" if sampled["exact"] else " (sampled)"))
-    regen_info, per_prompt = None, 1
+    regen_info = None
+    per_prompt = int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1
     if regen and shape is not None:
-        per_prompt = int(config["regenerate"].get("answers_per_prompt", 1))
         rows, per_row, prompt_tokens = shape
         if max_samples and max_samples < rows:
             rows = samples = max_samples
@@ -232,7 +233,8 @@ def workload(config: dict, root: Path) -> dict:
     eval_tokens = tokens * ds["eval_fraction"]
     eval_samples = int(samples * ds["eval_fraction"])
     out = {"train_tokens": int((tokens - eval_tokens) * per_prompt), "eval_tokens": int(eval_tokens),
-           "train_samples": (samples - eval_samples) * per_prompt, "eval_samples": eval_samples, "basis": basis}
+           "train_samples": (samples - eval_samples) * per_prompt, "eval_samples": eval_samples, "basis": basis,
+           "answers_per_prompt": per_prompt}
     if regen_info:
         out["regenerate"] = regen_info
     return out
