@@ -360,6 +360,36 @@ def test_server_errors_are_retried_then_skipped_or_fail(server, proxy, dataset, 
 
 
 @pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_further_answers_fail_apart_from_first_answers(server, proxy, dataset, embedded, tmp_path, capsys):
+    """A further answer that fails leaves its conversation in, and further answers are held
+    to max_failed_fraction among themselves; a conversation whose first answer failed gets
+    no further answer asked."""
+    ids = [(sid, msgs) for sid, msgs in iter_conversations(str(dataset))
+           if isinstance(msgs, list) and sum(m["role"] == "assistant" for m in msgs) == 1]
+    first_user = lambda k: ids[k][1][-2]["content"]  # noqa: E731
+    only_further = {"match": first_user(0), "status": 500, "times": None, "temperature": 1.0}
+    faulty = proxy({"fail": [only_further,
+                             {"match": first_user(1), "status": 500, "times": None, "temperature": 0.0}]})
+    settings = dict(answers_per_prompt=3, extra_temperature=1.0, max_failed_fraction=0.1, **FAST_RETRIES)
+    assert main(regenerate_args(dataset, embedded, tmp_path, faulty.url, **settings)) == 0
+    rows = {r["id"]: r for r in read_rows(tmp_path / "out" / "responses.jsonl")}
+    assert rows[ids[0][0]]["messages"] and rows[ids[0][0]]["more_answers"] == []
+    assert "failed" in rows[ids[1][0]]
+    asked = [q["body"] for q in faulty.requests() if q["body"]["messages"][-1]["content"] == first_user(1)]
+    assert asked and {q["temperature"] for q in asked} == {0.0}
+    failed = {f["id"] for f in json.loads((tmp_path / "out" / "stats.json").read_text())["failed"]["rows"]}
+    assert {ids[1][0], f"{ids[0][0]}~answer2", f"{ids[0][0]}~answer3"} <= failed
+
+    # Two failed further answers of 80 are more than 2%: the stage fails and says which kind.
+    capsys.readouterr()
+    strict = proxy({"fail": [only_further]})
+    assert main(regenerate_args(dataset, embedded, tmp_path / "strict", strict.url,
+                                **{**settings, "max_failed_fraction": 0.02})) == 1
+    err = capsys.readouterr().err
+    assert "of 80 further answers failed" in err and f"{ids[0][0]}~answer" in err
+
+
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
 def test_fails_early_when_down_or_wrong_model(server, dataset, embedded, tmp_path, capsys):
     from eagle3flow.serving.vllm_server import free_port
 

@@ -10,7 +10,8 @@ rule of ``rules.json`` matches the last user message, answered by the proxy itse
     {"delay_s": 0.0,
      "fail": [{"match": "text in the last user message", "status": 429,
                "times": 2,            # fail the first 2 matching requests; null = always
-               "retry_after": "0"}]}  # optional Retry-After header
+               "retry_after": "0",    # optional Retry-After header
+               "temperature": 1.0}]}  # optional: only requests sampled at this temperature
 
 otherwise forwarded to ``--upstream`` after ``delay_s`` (GETs are forwarded as they are).
 """
@@ -70,7 +71,8 @@ def make_handler(upstream: str, rules: dict, record_path: str):
             users = [m.get("content", "") for m in body.get("messages", []) if m.get("role") == "user"]
             last_user = users[-1] if users else ""
             for k, rule in enumerate(rules.get("fail", [])):
-                if rule["match"] not in last_user:
+                if rule["match"] not in last_user or (
+                        "temperature" in rule and body.get("temperature") != rule["temperature"]):
                     continue
                 with lock:
                     fail = rule.get("times") is None or failed[k] < rule["times"]
