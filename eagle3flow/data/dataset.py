@@ -110,7 +110,7 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     turns are then the target's own answers, and samples without one are left out
     (listed under ``regenerated.skipped``). A training sample's further answers
     (regenerate's ``answers_per_prompt``) become training samples of their own, id
-    ``<id>~answer<k>``, after all first answers (``regenerated.more_answers``).
+    ``<id>~answer<k>``, right after their first answer (``regenerated.more_answers``).
     """
     config = config or DatasetConfig()
     config.validate()

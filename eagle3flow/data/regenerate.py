@@ -44,7 +44,7 @@ is in. Changing N or ``extra_temperature`` keeps the first answers cached.
 Outputs (written when every prompt is answered or skipped; stats.json last):
 ``responses.jsonl``, one row per sample in prompt order, either
 ``{"id", "messages": [...all turns, assistant ones regenerated...], "finish_reasons":
-[...per assistant turn...]}`` (with N > 1 also ``"more_answers": [{"messages",
+[...per assistant turn...]}`` (with N > 1 also ``"more_answers": [{"id", "messages",
 "finish_reasons"}, ...]``, those that did not fail) or ``{"id", "failed": reason}``;
 ``stats.json`` (counts, truncated answers (finish_reason "length"), failures, tokens, tokens/s).
 
@@ -347,8 +347,8 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     jobs = jobs_for(conversations, cfg)
     todo = [job for job in jobs if cache.entries.get(job.id, {}).get("prompt_sha") != job.sha]
     total = len(jobs)
-    answers = f", {cfg['answers_per_prompt']} answers each" if len(jobs) > len(conversations) else ""
-    print(f"regenerate: {len(conversations)} conversations{answers}, {total - len(todo)} answers already in "
+    each = f", {cfg['answers_per_prompt']} answers each" if len(jobs) > len(conversations) else ""
+    print(f"regenerate: {len(conversations)} conversations{each}, {total - len(todo)} answers already in "
           f"{cache_dir}, sending {len(todo)} to {redact_url(base_url)} (model {model!r}, reasoning as {form}, "
           f"at most {cfg['max_concurrency']} at a time)", file=sys.stderr, flush=True)
 
@@ -356,12 +356,13 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     failures: list[dict] = []
     counters = {"retries": 0, "completion_tokens": 0}
     lock, stop = threading.Lock(), threading.Event()
-    progress = Progress("regenerate", len(todo), "answers" if answers else "conversations",
+    progress = Progress("regenerate", len(todo), "answers" if each else "conversations",
                         interval=progress_interval)
     t_send, rate_written = time.monotonic(), 0.0
     # First answers and further ones are held to max_failed_fraction each: a conversation
     # without its first answer is lost to the dataset, a missing further answer is not.
     first_failed: set[str] = set()
+    failed_of = {True: [], False: []}      # job.first -> its kind's failures
     allowed = {True: cfg["max_failed_fraction"] * len(conversations),
                False: cfg["max_failed_fraction"] * (total - len(conversations))}
     pending: dict = {}
@@ -387,14 +388,14 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
                     entry = {**future.result(), "prompt_sha": job.sha}
                 except PromptFailed as error:
                     failures.append({"id": job.id, "reason": error.reason})
+                    failed_of[job.first].append(failures[-1])
                     print(f"regenerate: {job.id}: failed: {error.reason}", file=sys.stderr, flush=True)
                     if job.first:
                         first_failed.add(job.id)
-                    same_kind = [f for f in failures if (f["id"] in first_failed) == job.first]
-                    if len(same_kind) > allowed[job.first]:
+                    if len(failed_of[job.first]) > allowed[job.first]:
                         stop.set()
                         raise RegenerateError(_too_many(
-                            same_kind, len(conversations) if job.first else total - len(conversations),
+                            failed_of[job.first], len(conversations) if job.first else total - len(conversations),
                             cfg["max_failed_fraction"], "conversations" if job.first else "further answers"))
                 else:
                     cache.add(entry)

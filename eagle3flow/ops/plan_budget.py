@@ -63,7 +63,8 @@ def what_would_fit(plan: Plan, config: dict, allowed: int) -> list[str]:
     fraction = room / hs
     if fraction < 1:
         fit = int(samples * fraction)
-        out.append(f"fewer samples: dataset.max_samples: {fit} (of {samples}{' prompts' if per_prompt > 1 else ''}) would need "
+        unit = " prompts" if per_prompt > 1 else ""
+        out.append(f"fewer samples: dataset.max_samples: {fit} (of {samples}{unit}) would need "
                    f"{format_bytes(fixed + hs * fit / samples)}")
     w = plan.workload
     if "storage_dtype" in config["extract"] and DTYPE_BYTES[w["storage_dtype"]] > 1:

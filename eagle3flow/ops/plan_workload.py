@@ -170,13 +170,14 @@ def workload(config: dict, root: Path) -> dict:
     results = root / layout(config)["results"]
     stats_file = results / "dataset" / "stats.json"
     regen = bool((config.get("regenerate") or {}).get("enabled"))
+    per_prompt = int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1
     if stats_file.is_file():
         with open(stats_file) as f:
             splits = json.load(f)["splits"]
         out = {"train_tokens": int(splits["train"]["tokens"]), "eval_tokens": int(splits["eval"]["tokens"]),
                "train_samples": int(splits["train"]["samples"]),
                "eval_samples": int(splits["eval"]["samples"]), "basis": str(stats_file),
-               "answers_per_prompt": int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1}
+               "answers_per_prompt": per_prompt}
         if regen:
             out["regenerate"] = {"answers_to_make": 0, "answer_tokens_to_make": 0}
         return out
@@ -211,7 +212,6 @@ def workload(config: dict, root: Path) -> dict:
             shape = (samples, sampled["answers_per_row"], sampled["prompt_tokens_per_answer"])
             basis = (f"estimate: {samples:,} rows of {src.name}" + ("" if sampled["exact"] else " (sampled)"))
     regen_info = None
-    per_prompt = int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1
     if regen and shape is not None:
         rows, per_row, prompt_tokens = shape
         if max_samples and max_samples < rows:
