@@ -21,7 +21,7 @@ demo-regenerate: setup
 
 test: setup
 	bash scripts/install_test_deps.sh
-	pytest -v -rs --durations=15 -n 2 --dist loadgroup tests
+	pytest -v -rs --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 lint: setup
 	snakemake --lint

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,12 +76,15 @@ def upstream(tmp_path_factory) -> Path:
 
 # Under xdist (--dist loadgroup) each module is one group, so its module fixtures are
 # built once; the tests of the embedded default build share one group, so that build
-# (minutes) is made once; the real-target test is a group of its own. xdist hands out
-# the groups with the most tests first: the sort below orders only groups of one size.
+# (minutes) is made once; the real-target test is a group of its own. `make test` hands
+# the groups out in the order sorted here (--no-loadscope-reorder): the longest ones
+# first, so that no long group starts late and ends the run alone, then the rest by
+# their number of tests. A worker starts with two groups when its first has one test:
+# the real-target test's worker runs the fault matrix next.
 SHARED_BUILD = "embedded_default_build"
 SHARED_BUILD_TESTS = {"test_embedded.py", "test_streaming.py",
                       "test_workflow.py::test_embedded_default_end_to_end_with_kills"}
-LONGEST_FIRST = (SHARED_BUILD, "test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py")
+LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", SHARED_BUILD, "test_fault_matrix.py")
 
 
 def xdist_group(item) -> str:
@@ -95,8 +99,10 @@ def xdist_group(item) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    size = Counter(xdist_group(item) for item in items)
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group(item), len(rank)))   # stable: the rest keep their order
+    # stable: a group's tests keep their order
+    items.sort(key=lambda item: (rank.get(xdist_group(item), len(rank)), -size[xdist_group(item)]))
 
 
 def pytest_sessionstart(session):

@@ -298,48 +298,63 @@ def test_default_build_trains(default_target):
 
 @pytest.mark.slow
 def test_vllm_serves_default_target(default_target):
-    """vLLM CPU loads the target, uses the chat template, stops at <|eot_id|>, and its greedy
-    answer matches transformers' greedy answer token for token."""
+    """vLLM CPU loads the target, uses the chat template, stops at <|eot_id|> where
+    transformers does, and its greedy answer matches transformers' token for token: on a
+    question of the corpus, on one phrased as the corpus never does, and on a second turn."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = default_target / "target"
-    # Phrasings the corpus never uses, with documentation as its questions quote it.
-    questions = ["Could you tell me what `math.sqrt` does?\n\nDocumentation of `math.sqrt(x, /)`:\n"
-                 "Return the square root of x.",
-                 "In one sentence, what is `os.path.join` used for?\n\nDocumentation of "
-                 "`os.path.join(a, *p)`:\nJoin two or more pathname components, inserting '/' as needed."]
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos])
+
+    def prompt_ids(messages: list[dict]) -> list[int]:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
+
+    def greedy(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=96, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    # A question the target learned, picked where its own greedy answer ends before the
+    # token cap: the float rounding of the CPU that trained it decides which ones do.
+    conversations = [json.loads(line) for line in (default_target / "conversations.jsonl").open()]
+    conversations.sort(key=lambda c: hashlib.sha256(c["id"].encode()).hexdigest())
+    learned = next((q for q in (next(m["content"] for m in c["messages"] if m["role"] == "user")
+                                for c in conversations[:16])
+                    if greedy(prompt_ids([{"role": "user", "content": q}]))[-1] in stops), None)
+    assert learned is not None, "no greedy answer of 16 corpus questions ends within 96 tokens"
+    # Phrased as the corpus never does, with documentation as its questions quote it.
+    unseen = ("In one sentence, what is `os.path.join` used for?\n\nDocumentation of "
+              "`os.path.join(a, *p)`:\nJoin two or more pathname components, inserting '/' as needed.")
     env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = _run(["-c", VLLM_SCRIPT, str(target), json.dumps(questions)], 900, env)
+    result = _run(["-c", VLLM_SCRIPT, str(target), json.dumps([learned, unseen])], 900, env)
     outputs = json.loads(result.stdout.split("RESULT ", 1)[1].splitlines()[0])
     print(json.dumps([o["text"] for o in outputs], indent=1))
 
-    tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    conversations = [[{"role": "user", "content": q}] for q in questions]
-    conversations.append([{"role": "user", "content": questions[0]},
-                          {"role": "assistant", "content": outputs[0]["text"]},
-                          {"role": "user", "content": "What is its signature?"}])
-    for messages, output in zip(conversations, outputs):
-        expected_prompt = tok.apply_chat_template(messages,
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"]
+    chats = [[{"role": "user", "content": learned}], [{"role": "user", "content": unseen}],
+             [{"role": "user", "content": learned}, {"role": "assistant", "content": outputs[0]["text"]},
+              {"role": "user", "content": "What is its signature?"}]]
+    for messages, output in zip(chats, outputs):
+        expected_prompt = prompt_ids(messages)
         assert output["prompt_token_ids"] == expected_prompt, "vLLM rendered the chat template"
-        assert output["finish_reason"] == "stop", output
-        assert len(output["text"].split()) >= 3 and "<|" not in output["text"], output["text"]
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([expected_prompt]), max_new_tokens=96, do_sample=False)
-        hf_ids = hf[0, len(expected_prompt):].tolist()
-        vllm_ids = output["token_ids"]
+        assert "<|" not in output["text"], output["text"]
+        hf_ids, vllm_ids = greedy(expected_prompt), output["token_ids"]
         # fp32 on both sides: allow a late divergence on a near-tie, not an early one.
-        same = next((i for i, (a, b) in enumerate(zip(hf_ids, vllm_ids)) if a != b), len(vllm_ids))
+        same = next((i for i, (a, b) in enumerate(zip(hf_ids, vllm_ids)) if a != b), min(len(hf_ids), len(vllm_ids)))
         assert same >= min(16, len(vllm_ids)), (hf_ids, vllm_ids)
+        if hf_ids == vllm_ids:     # the same answer ends the same way: at <|eot_id|> or at the cap
+            assert output["finish_reason"] == ("stop" if hf_ids[-1] in stops else "length"), output
+    assert outputs[0]["finish_reason"] == "stop", outputs[0]
     # A ~5M model trained for minutes learns the corpus' form (an answer opens with the
     # backticked name it explains and ends a sentence), answers different questions
     # differently, and gives a follow-up the signature-turn phrasing; copying the exact
-    # name asked about is beyond it.
+    # name asked about, or ending an answer to an unseen phrasing, is beyond it.
     for output in outputs[:2]:
         assert re.match(r"(In short, )?`[\w.]+`", output["text"]), output["text"]
-        assert output["text"].rstrip().endswith("."), output["text"]
+    assert outputs[0]["text"].rstrip().endswith("."), outputs[0]["text"]
     assert outputs[0]["text"] != outputs[1]["text"]
     assert outputs[2]["text"].startswith("Its signature is `"), outputs[2]["text"]

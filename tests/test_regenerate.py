@@ -22,7 +22,7 @@ import pytest
 from eagle3flow.data.dataset import DatasetConfig, prepare_dataset
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.regenerate import ResponseCache, assistant_message, main, reasoning_form
-from eagle3flow.serving.vllm_server import SERVED_NAME, serve_target
+from eagle3flow.serving.vllm_server import SERVED_NAME, resolve_serve_dtype, serve_target
 from support.builders import TOOL_ROW, TOOLS
 from support.targets import make_chat_tokenizer
 
@@ -93,7 +93,7 @@ def dataset(embedded, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(embedded, tmp_path_factory):
     with serve_target(embedded / "target", tmp_path_factory.mktemp("server") / "vllm.log",
-                      max_model_len=1024, startup_timeout_s=600) as url:
+                      max_model_len=1024, startup_timeout_s=600, dtype=resolve_serve_dtype("auto")) as url:
         yield url
 
 

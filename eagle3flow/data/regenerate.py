@@ -21,7 +21,9 @@ and never logged. Before the first prompt the server must list ``model`` at
 ``/v1/models``: a server that is down, rejects the token or serves another model
 fails the stage at once. ``--serve-target DIR`` (the embedded default, which has no
 production server) starts ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 for the
-duration of the run and stops it after (serving/vllm_server.py).
+duration of the run and stops it after (serving/vllm_server.py), in ``serve_dtype``
+(auto: the dtype evaluation runs the target in, so the answers trained on are the
+greedy answers evaluation sees; the dtype is part of the cache fingerprint).
 
 Politeness: at most ``max_concurrency`` conversations in flight over as many pooled
 keep-alive connections (httpx, data/chat_client.py); 429, 5xx, timeouts and dropped connections are retried
@@ -74,7 +76,7 @@ from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
 from eagle3flow.data.regenerated import more_answer_id
 from eagle3flow.progress import Progress
-from eagle3flow.serving.vllm_server import ServerError, serve_target
+from eagle3flow.serving.vllm_server import ServerError, resolve_serve_dtype, serve_target
 
 # The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
 DEFAULTS = schema_defaults("regenerate")
@@ -285,9 +287,11 @@ def jobs_for(conversations: list[tuple[str, list[dict]]], cfg: dict) -> list[Job
             for sid, msgs in conversations]
 
 
-def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict) -> str:
+def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict, served_dtype: str | None = None) -> str:
     keys = {k: cfg[k] for k in FINGERPRINT_KEYS}
     keys.update(model=model, reasoning=form, chat_template_kwargs=template_kwargs)
+    if served_dtype is not None:    # the stage serves the target itself, in this dtype
+        keys["served_dtype"] = served_dtype
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -324,13 +328,15 @@ def _resolve(cfg: dict | None) -> dict:
 def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path, cache_root: str | Path,
                base_url: str, cfg: dict | None = None, tokenizer_dir: str | None = None,
                template_kwargs: dict | None = None, bad_rows: list[dict] | None = None,
-               progress_interval: float = 5.0) -> dict:
+               progress_interval: float = 5.0, served_dtype: str | None = None) -> dict:
     """Answer every ``(sample_id, messages)`` with the server at ``base_url``; write
     ``out_dir/responses.jsonl`` and ``out_dir/stats.json``; return the stats.
 
     ``messages``: ``[{"role", "content"}, ...]`` ending with an assistant turn (the
-    original answers, replaced). Raises RegenerateError (the outputs are then not
-    written; the cache keeps every conversation already answered).
+    original answers, replaced). ``served_dtype``: the dtype of the server this stage
+    started (part of the cache fingerprint), None for a server of its own. Raises
+    RegenerateError (the outputs are then not written; the cache keeps every
+    conversation already answered).
     """
     cfg = _resolve(cfg)
     template_kwargs = dict(template_kwargs or {})
@@ -342,7 +348,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     # The model name is part of the fingerprint, so without one the server must be asked
     # even on a rerun with everything cached.
     model = check_server(client, model_setting, base_url, cfg["api_key_env"])
-    cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs)
+    cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs, served_dtype)
     cache = ResponseCache(cache_dir / "responses.jsonl")
     jobs = jobs_for(conversations, cfg)
     todo = [job for job in jobs if cache.entries.get(job.id, {}).get("prompt_sha") != job.sha]
@@ -414,7 +420,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     progress.close()
 
     stats = _write_outputs(conversations, int(cfg["answers_per_prompt"]), cache.entries, failures, out_dir, {
-        "server": {"url": redact_url(base_url), "model": model},
+        "server": {"url": redact_url(base_url), "model": model} | ({"dtype": served_dtype} if served_dtype else {}),
         "settings": {k: cfg[k] for k in FINGERPRINT_KEYS if k != "model"} | {
             "reasoning": form, "chat_template_kwargs": template_kwargs,
             "answers_per_prompt": cfg["answers_per_prompt"], "extra_temperature": cfg["extra_temperature"]},
@@ -521,10 +527,11 @@ def main(argv: list[str] | None = None) -> int:
                       bad_rows=bad)
         base_url = cfg["base_url"] or os.environ.get(URL_ENV)
         if args.serve_target and not base_url:
+            dtype = resolve_serve_dtype(cfg["serve_dtype"], args.vllm_python)
             with serve_target(args.serve_target, args.server_log, args.vllm_python,
                               cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"],
-                              log_tag="regenerate") as url:
-                regenerate(conversations, args.out_dir, args.cache_root, url, cfg, **kwargs)
+                              log_tag="regenerate", dtype=dtype) as url:
+                regenerate(conversations, args.out_dir, args.cache_root, url, cfg, served_dtype=dtype, **kwargs)
         elif base_url:
             regenerate(conversations, args.out_dir, args.cache_root, base_url, cfg, **kwargs)
         else:

@@ -34,11 +34,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def resolve_serve_dtype(dtype: str, python: str | None = None) -> str:
+    """The dtype to serve in: ``auto`` is the one evaluation runs the target in
+    (``evaluate.dtype`` auto): float32 where the server's torch sees no CUDA device,
+    else bfloat16. vLLM's own auto serves a float32 checkpoint in bfloat16, which a CPU
+    without bf16 instructions (AVX2 only) runs ~4x slower, and whose greedy answers are
+    not the float32 ones evaluation sees."""
+    if dtype != "auto":
+        return dtype
+    probe = subprocess.run([python or sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        raise ServerError(f"{python or sys.executable} cannot import torch:\n{probe.stderr[-2000:]}")
+    return "bfloat16" if probe.stdout.strip() == "True" else "float32"
+
+
 @contextmanager
 def serve_target(target: str | Path, log_path: str | Path, python: str | None = None,
                  max_model_len: int = 2048, startup_timeout_s: float = 600.0, port: int | None = None,
-                 log_tag: str = "vllm_server"):
-    """Run a vLLM OpenAI server of ``target`` on 127.0.0.1; yield its base URL.
+                 log_tag: str = "vllm_server", dtype: str = "auto"):
+    """Run a vLLM OpenAI server of ``target`` on 127.0.0.1 in ``dtype`` (as vLLM names
+    it; resolve ``auto`` with ``resolve_serve_dtype`` first); yield its base URL.
 
     The server is this process's child (its own process group, SIGTERM if we die) and
     is stopped on exit: SIGTERM to the group, SIGKILL after 30 s. Its progress lines on
@@ -46,7 +62,7 @@ def serve_target(target: str | Path, log_path: str | Path, python: str | None = 
     """
     port = port or free_port()
     command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(target), "--served-model-name", SERVED_NAME,
+               "--model", str(target), "--served-model-name", SERVED_NAME, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
                "--seed", "0", "--enforce-eager", "--disable-uvicorn-access-log"]
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
@@ -54,7 +70,7 @@ def serve_target(target: str | Path, log_path: str | Path, python: str | None = 
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     url = f"http://127.0.0.1:{port}"
-    print(f"{log_tag}: starting a vLLM server of {target} at {url} (log: {log_path})",
+    print(f"{log_tag}: starting a vLLM server of {target} ({dtype}) at {url} (log: {log_path})",
           file=sys.stderr, flush=True)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True,

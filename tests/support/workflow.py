@@ -39,8 +39,29 @@ def snakemake_env(**extra) -> dict:
 
 
 def snakemake(workdir: Path, *args: str, timeout: float = 1800, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "snakemake"), *args], cwd=workdir, env=snakemake_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    """Run Snakemake to its end. Past ``timeout`` its whole process group is killed (a
+    vLLM server it started would otherwise go on taking a test worker's core) and the
+    test fails with the time each finished job took and the end of the output."""
+    proc = subprocess.Popen([str(BIN / "snakemake"), *args], cwd=workdir, env=snakemake_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"snakemake {' '.join(args)} ran past {timeout:.0f} s; finished jobs (wall s): "
+                    f"{finished_job_seconds(workdir)}\n{(stdout + stderr)[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def finished_job_seconds(workdir: Path) -> dict[str, float]:
+    """Each finished job's wall time from its ``benchmark:`` file (results/benchmarks/)."""
+    seconds = {}
+    for tsv in sorted((workdir / "results" / "benchmarks").glob("*.tsv")):
+        lines = tsv.read_text().splitlines()
+        if len(lines) > 1:
+            seconds[tsv.stem] = round(float(lines[1].split("\t")[0]), 1)
+    return seconds
 
 
 def start_snakemake(workdir: Path, *args: str, log: Path, **env) -> subprocess.Popen:
