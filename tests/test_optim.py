@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from eagle3flow.train.optim import Optimizers, Schedule, build_optimizers, lr_factor
+from eagle3flow.train.optim import Muon, Optimizers, Schedule, build_optimizers, lr_factor
 from eagle3flow.train.build import copy_target_layer
 from eagle3flow.train.config import resolve_train_config
 from eagle3flow.train.trainer import with_noise
@@ -55,6 +55,37 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="checkpoint optimizers"):
         build_optimizers(named, resolve_train_config({"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
+
+
+def muon_steps(optimizer_class, steps: int = 4, **kwargs) -> list[torch.Tensor]:
+    """A tall and a wide matrix after ``steps`` Muon steps on the same gradients."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 40))]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(steps)]
+    optimizer = optimizer_class(params, lr=0.02, weight_decay=0.1, momentum=0.95,
+                                adjust_lr_fn="match_rms_adamw", **kwargs)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g
+        optimizer.step()
+    return [p.detach() for p in params], optimizer
+
+
+def test_muon_is_torchs_with_the_newton_schulz_dtype_of_the_device():
+    """In bfloat16 it takes torch.optim.Muon's steps exactly and loads its checkpoints; on
+    the CPU by default it iterates in float32, nearer a float64 iteration than bfloat16 is."""
+    theirs, torch_muon = muon_steps(torch.optim.Muon)
+    same, _ = muon_steps(Muon, ns_dtype=torch.bfloat16)
+    for a, b in zip(theirs, same):
+        assert torch.equal(a, b)
+    ours, _ = muon_steps(Muon)
+    exact, _ = muon_steps(Muon, ns_dtype=torch.float64)
+    for a, b, c in zip(ours, exact, theirs):
+        assert (a - b).abs().max() < 0.1 * (c - b).abs().max(), "float32 iterations on the CPU"
+    twin = Muon([torch.nn.Parameter(p.clone()) for p in theirs], lr=0.02, adjust_lr_fn="match_rms_adamw")
+    twin.load_state_dict(torch_muon.state_dict())
+    assert torch.equal(twin.state[twin.param_groups[0]["params"][0]]["momentum_buffer"],
+                       torch_muon.state[torch_muon.param_groups[0]["params"][0]]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])

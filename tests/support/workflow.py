@@ -102,6 +102,23 @@ def greedy_answers(results: Path, prompt_set: str = "eval") -> list[list[int]]:
     return [list(o["output_token_ids"]) for o in outputs]
 
 
+def answers_matching_evaluation(results: Path) -> tuple[int, int]:
+    """(eval prompts whose regenerated answer opens with the target's greedy answer in the
+    evaluation's vLLM baseline run, eval prompts): text compared, so that retokenizing
+    the answer cannot differ."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(results / "pretrained" / "target")
+    with open(results / "regenerate" / "responses.jsonl") as f:
+        answers = {row["id"]: row["messages"][-1]["content"] for row in map(json.loads, f)}
+    baseline = json.loads((results / "eval" / "vllm_baseline.json").read_text())
+    outputs = next(s for s in baseline["sets"] if s["name"] == "eval")["outputs"]
+    same = sum(answers[o["id"]].strip().startswith(
+        # a cut multi-byte character decodes as U+FFFD
+        tok.decode(o["output_token_ids"], skip_special_tokens=True).strip().rstrip("\ufffd")) for o in outputs)
+    return same, len(outputs)
+
+
 def answer_diversity(answers: list[list[int]]) -> tuple[float, float]:
     """(fraction of answers that no other answer equals, median answer length in tokens)."""
     counts: dict[tuple, int] = {}
