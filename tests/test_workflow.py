@@ -162,7 +162,7 @@ def test_real_target_end_to_end(tmp_path):
     # greedy answers evaluation sees (vLLM's own auto, bfloat16, gave other ones).
     assert regen["server"]["dtype"] == "float32", regen["server"]
     same, total = answers_matching_evaluation(results)
-    assert same >= 0.75 * total, (same, total)
+    assert same >= total - 1, (same, total)      # one near-tie flipped by batching, at most
     summary = json.loads((results / "eval" / "summary.json").read_text())
     eval_result = summary["results"]["eval"]["draft"]
     assert eval_result["lossless"]["passed"] is True, eval_result["lossless"]

@@ -103,14 +103,15 @@ def greedy_answers(results: Path, prompt_set: str = "eval") -> list[list[int]]:
 
 
 def answers_matching_evaluation(results: Path) -> tuple[int, int]:
-    """(eval prompts whose regenerated answer opens with the target's greedy answer in the
-    evaluation's vLLM baseline run, eval prompts): text compared, so that retokenizing
-    the answer cannot differ."""
+    """(eval prompts whose regenerated first answer opens with the target's greedy answer
+    in the evaluation's vLLM baseline run, eval prompts): text compared, so that
+    retokenizing the answer cannot differ."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(results / "pretrained" / "target")
     with open(results / "regenerate" / "responses.jsonl") as f:
-        answers = {row["id"]: row["messages"][-1]["content"] for row in map(json.loads, f)}
+        answers = {row["id"]: next(m["content"] for m in row["messages"] if m["role"] == "assistant")
+                   for row in map(json.loads, f)}
     baseline = json.loads((results / "eval" / "vllm_baseline.json").read_text())
     outputs = next(s for s in baseline["sets"] if s["name"] == "eval")["outputs"]
     same = sum(answers[o["id"]].strip().startswith(
