@@ -57,8 +57,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
         build_optimizers(named, resolve_train_config({"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
 
 
-def muon_steps(optimizer_class, steps: int = 4, **kwargs) -> list[torch.Tensor]:
-    """A tall and a wide matrix after ``steps`` Muon steps on the same gradients."""
+def muon_steps(optimizer_class, steps: int = 4, **kwargs) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """A tall and a wide matrix after ``steps`` Muon steps on the same gradients, and the optimizer."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 40))]
     grads = [[torch.randn_like(p) for p in params] for _ in range(steps)]

@@ -37,7 +37,8 @@ def profile_key(config: dict) -> str:
             f"train={config['train'].get('device', 'auto')},backend={extract_backend(config)}")
 
 
-def _benchmark_seconds(path: Path) -> float | None:
+def benchmark_seconds(path: Path) -> float | None:
+    """A job's wall seconds from its Snakemake ``benchmark:`` file; None if unreadable."""
     try:
         with open(path) as f:
             lines = f.read().strip().splitlines()
@@ -74,7 +75,7 @@ def measured_throughputs(config: dict, root: Path) -> dict:
     if rates:
         found["train_tokens_per_s"] = sorted(rates)[len(rates) // 2]
     for tsv in (results / "benchmarks").glob("*.tsv"):
-        s = _benchmark_seconds(tsv)
+        s = benchmark_seconds(tsv)
         if s is not None:
             found["seconds"][tsv.stem] = s
     return found

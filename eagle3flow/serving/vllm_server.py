@@ -42,6 +42,8 @@ def resolve_serve_dtype(dtype: str, python: str | None = None) -> str:
     not the float32 ones evaluation sees."""
     if dtype != "auto":
         return dtype
+    # extract.extraction.resolve_dtype's rule, asked of the server's own interpreter:
+    # this module and its callers stay torch-free.
     probe = subprocess.run([python or sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:

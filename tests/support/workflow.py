@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3flow.ops.plan_throughput import benchmark_seconds
+
 REPO = Path(__file__).resolve().parent.parent.parent
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
 BIN = Path(sys.executable).parent
@@ -54,14 +56,9 @@ def snakemake(workdir: Path, *args: str, timeout: float = 1800, **env) -> subpro
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def finished_job_seconds(workdir: Path) -> dict[str, float]:
+def finished_job_seconds(workdir: Path) -> dict[str, float | None]:
     """Each finished job's wall time from its ``benchmark:`` file (results/benchmarks/)."""
-    seconds = {}
-    for tsv in sorted((workdir / "results" / "benchmarks").glob("*.tsv")):
-        lines = tsv.read_text().splitlines()
-        if len(lines) > 1:
-            seconds[tsv.stem] = round(float(lines[1].split("\t")[0]), 1)
-    return seconds
+    return {tsv.stem: benchmark_seconds(tsv) for tsv in sorted((workdir / "results" / "benchmarks").glob("*.tsv"))}
 
 
 def start_snakemake(workdir: Path, *args: str, log: Path, **env) -> subprocess.Popen:
