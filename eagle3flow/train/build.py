@@ -30,16 +30,14 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
                 t2d: torch.Tensor, overrides: dict, seed: int,
-                init_midlayer: str = "random", init_fc: str = "random") -> tuple[Eagle3Draft, torch.Tensor]:
+                init_midlayer: str = "random") -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft initialised from the target, and the teacher head ``[Vd, H]``.
 
     Embeddings are the target's (frozen), ``norm`` the target's final norm and
     ``lm_head`` the target lm_head's ``t2d`` rows; the rest is random (seeded), or with
     ``init_midlayer="target"`` the midlayer starts as the target's last decoder layer
     (its q/k/v read the hidden half of the midlayer's 2H input; the embedding half
-    stays random). ``init_fc="deepest_aux"`` starts ``fc`` as the identity on the deepest aux
-    state and zero on the others, so the draft's residual stream starts in the target's
-    own basis, which its lm_head and norm (the target's) read.
+    stays random).
     """
     target_config = load_target_config(target_path)
     cfg = DraftConfig.from_target_config(target_config, aux_layer_ids, d2t.numel(), overrides)
@@ -63,12 +61,6 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model.t2d.copy_(t2d)
         if init_midlayer == "target":
             copy_target_layer(model, target_path, int(target_config.get("num_hidden_layers")) - 1)
-        if init_fc == "deepest_aux":
-            if cfg.hidden_size != cfg.target_hidden_size:
-                raise ValueError(f"train.init_fc: deepest_aux needs the draft's hidden size "
-                                 f"({cfg.hidden_size}) to be the target's ({cfg.target_hidden_size})")
-            model.fc.weight.zero_()
-            model.fc.weight[:, -cfg.target_hidden_size:].copy_(torch.eye(cfg.hidden_size))
     return model, teacher_head
 
 

@@ -38,11 +38,6 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: lr_schedule must be one of {LR_SCHEDULES}, got {merged['lr_schedule']!r}")
     if merged["init_midlayer"] not in ("random", "target"):
         raise ValueError(f"train config: init_midlayer must be random|target, got {merged['init_midlayer']!r}")
-    if merged["init_fc"] not in ("random", "deepest_aux"):
-        raise ValueError(f"train config: init_fc must be random|deepest_aux, got {merged['init_fc']!r}")
-    if int(merged["top_k_distill"]) < 0 or float(merged["top_k_distill_weight"]) < 0:
-        raise ValueError(f"train config: top_k_distill and top_k_distill_weight must be >= 0, got "
-                         f"{merged['top_k_distill']} and {merged['top_k_distill_weight']}")
     if not float(merged["teacher_temperature"]) > 0:
         raise ValueError(f"train config: teacher_temperature must be > 0, got {merged['teacher_temperature']}")
     if not isinstance(merged["report_to"], list) or set(merged["report_to"]) - set(TRACKERS):

@@ -7,8 +7,6 @@ draft's log-softmax over the draft vocab, on the rows step ``j`` is scored on.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from eagle3flow.model.draft import Eagle3Draft, PackedLayout, host_to_device
@@ -39,22 +37,6 @@ def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: i
                              out=logits[a:a + chunk_rows])
             row_logsumexp_argmax(chunk, lse[a:a + chunk_rows], argmax[a:a + chunk_rows])
     return logits, lse, argmax
-
-
-def boost_top_k(logits: torch.Tensor, k: int, weight: float, chunk_rows: int = 8192) -> None:
-    """HASS's top-K distillation (Zhang et al., ICLR 2025) folded into the teacher, in place.
-
-    Adding ``log(1 + weight)`` to the ``k`` largest logits of each row ``[N, Vd]`` while its
-    logsumexp stays the one computed before makes the teacher weights ``p * (1 + weight)``
-    on its top ``k`` tokens: the soft cross-entropy (which multiplies ``lse`` by the weights'
-    sum) becomes ``CE + weight * CE over the teacher's top k``, in the same fused kernel.
-    """
-    bonus = math.log1p(weight)
-    with torch.no_grad():
-        for a in range(0, logits.shape[0], chunk_rows):
-            chunk = logits[a:a + chunk_rows]
-            top = chunk.topk(k, dim=-1).indices
-            chunk.scatter_add_(-1, top, torch.full(top.shape, bonus, dtype=chunk.dtype, device=chunk.device))
 
 
 def scored_mask(layout: PackedLayout, loss_mask: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -127,12 +109,8 @@ class StepStats:
 
 
 def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
-             decay: float, autocast: bool, denominators: list[int] | None = None,
-             top_k: int = 0, top_k_weight: float = 0.0):
+             decay: float, autocast: bool, denominators: list[int] | None = None):
     """Weighted TTT loss (float32 scalar) and :class:`StepStats` (per-step loss, accuracy, rows).
-
-    ``top_k > 0``: each step's loss also weighs the teacher's ``top_k`` tokens by
-    ``top_k_weight`` more (:func:`boost_top_k`); the reported per-step loss includes it.
 
     ``denominators[j]`` (data parallelism, eagle3flow/train/trainer.py): divide step ``j``'s summed
     cross-entropy by the scored rows of the whole global batch instead of this rank's
@@ -153,8 +131,6 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     else:
         rows, counts = scored_rows(batch["cu_seqlens"], batch["loss_mask"], num_steps)
     t_logits, t_lse, t_argmax = teacher_logits(batch["last"], teacher_head)
-    if top_k > 0 and top_k_weight > 0:
-        boost_top_k(t_logits, min(int(top_k), t_logits.shape[1]), float(top_k_weight))
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
                                       num_steps, layout, compute_logits=False, normed=True)

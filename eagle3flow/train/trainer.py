@@ -123,7 +123,7 @@ class Trainer:
         self.reduce_dtype = {"auto": torch.bfloat16 if self.autocast else None, "float32": None,
                              "bfloat16": torch.bfloat16}[cfg["grad_reduce_dtype"]]
         model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"],
-                                          cfg["seed"], cfg["init_midlayer"], cfg["init_fc"])
+                                          cfg["seed"], cfg["init_midlayer"])
         if cfg["freeze_lm_head"]:
             model.lm_head.weight.requires_grad_(False)
         if manifest.hidden_size != model.config.target_hidden_size:
@@ -192,8 +192,7 @@ class Trainer:
             if cfg["hidden_noise"]:
                 batch["aux"] = with_noise(batch["aux"], float(cfg["hidden_noise"]), model.config.num_aux)
             loss, stats = ttt_loss(model, batch, self.teacher_head, num_steps, cfg["step_loss_decay"],
-                                   self.autocast, denominators=denominators, top_k=cfg["top_k_distill"],
-                                   top_k_weight=cfg["top_k_distill_weight"])
+                                   self.autocast, denominators=denominators)
         self.optimizer.zero_grad(set_to_none=True)
         if loss is not None and loss.requires_grad:
             loss.backward()
