@@ -113,7 +113,23 @@ def test_vllm_problems():
 def test_a_vllm_as_old_as_production_is_refused():
     """The seed's failure: the trainer ran the production unit's vLLM 0.16."""
     [problem] = cuda_problems(env(vllm={"version": "0.16.0"}), box(), 8)
-    assert problem.startswith(f"{PY} has vLLM 0.16.0; the stages need >= 0.22.0 (extract_hidden_states")
+    assert problem.startswith(f"{PY}: vLLM 0.16.0 is older than 0.25.0; the stages are tested with "
+                              "vLLM 0.25.0 to 0.32.x (extract_hidden_states")
+    assert problem.endswith("Fix: install a vLLM from 0.25.0 to 0.32.x into the project's environment: "
+                            "make setup (pins 0.32.0)")
+
+
+@pytest.mark.parametrize("version, refused", [
+    ("0.22.0", "older than 0.25.0"), ("0.24.9", "older than 0.25.0"), ("0.25.0", None),
+    ("0.28.1", None), ("0.32.0+cpu", None), ("0.32.3.dev12+g1234abc", None),
+    ("0.33.0", "newer than 0.32.x"), ("1.0.0", "newer than 0.32.x")])
+def test_only_the_tested_vllm_range_passes(version, refused):
+    problems = cuda_problems(env(vllm={"version": version}), box(), 8)
+    if refused is None:
+        assert problems == []
+    else:
+        [problem] = problems
+        assert f"vLLM {version} is {refused}" in problem and "Fix: install a vLLM from 0.25.0" in problem
 
 
 def test_torch_or_vllm_from_outside_the_environment_is_refused():

@@ -83,6 +83,42 @@ def test_gather_sample_reads_its_blocks(device):
                                out["aux"], rtol=0.07, atol=1e-6)
 
 
+def test_cache_layout_follows_what_the_installed_vllm_offers():
+    """0.32 (the CPU build here) knows LBNHC and hands the layer over captured id first;
+    a vLLM that knows only NHD/HND (0.25) is asked for NHD, whose layer is token-major."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from eagle3flow.extract.vllm_connector import (CacheLayoutPlan, ShardConnector, cache_layout_plan,
+                                                   installed_layout_names)
+
+    assert installed_layout_names() == {m.name for m in KVCacheLayout}
+    assert ShardConnector.get_required_kvcache_layout(None) == "LBNHC"
+    assert KVCacheLayout[ShardConnector.get_required_kvcache_layout(None)].layer_view_order == (0, 2, 1, 3)
+    assert cache_layout_plan({"NHD", "HND"}) == CacheLayoutPlan("NHD", token_major=True)
+    with pytest.raises(ValueError, match=r"neither LBNHC nor NHD"):
+        cache_layout_plan({"HND"})
+
+
+def test_token_major_cache_reads_the_same_samples():
+    """The same states stored [blocks, block_size, C, H] (vLLM 0.25's NHD layer) and
+    [blocks, C, block_size, H] (0.32's LBNHC layer) give the same shards' tensors."""
+    from eagle3flow.extract.vllm_connector import cache_layout_plan, captured_major
+
+    num_layers, hidden, block_size, tokens = 8, 4, 3, 7
+    captured = len(capture_layer_ids(LLAMA_AUX, num_layers))
+    captured_first = torch.randn(10, captured, block_size, hidden)
+    token_major = captured_first.transpose(1, 2).contiguous()
+    weight, eps, blocks = torch.rand(hidden) + 0.5, 1e-5, [6, 2, 9]
+    new = captured_major(captured_first, cache_layout_plan({"LBNHC", "LBHNC"}), captured)
+    old = captured_major(token_major, cache_layout_plan({"NHD", "HND"}), captured)
+    assert old.data_ptr() == token_major.data_ptr()   # a view: the engine's cache, not a copy
+    a, _ = gather_sample(new, blocks, tokens, LLAMA_AUX, num_layers, weight, eps)
+    b, _ = gather_sample(old, blocks, tokens, LLAMA_AUX, num_layers, weight, eps)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"layout NHD; expected \[blocks, block_size, C, hidden\] with C = 5"):
+        captured_major(captured_first, cache_layout_plan({"NHD"}), captured)
+
+
 def test_embeddings_refused_for_deepseek_only():
     with pytest.raises(ValueError, match=r"id 0 .*deepseek_v3 target \(/m/config.json\)"):
         check_layer_ids([0, 2, 5], {"model_type": "deepseek_v3"}, "/m/config.json")

@@ -13,6 +13,13 @@ Worker side (TP rank 0): the request's ``[T, C, H]`` states are gathered from th
 cache-only layer, put in the configured aux order, the last one normalized, copied to
 the host (async on CUDA), and once every sample of a shard is in, the shard is written
 by the shared shard writer (eagle3flow/extract/shards.py) in a background thread.
+
+The cache-only layer's layout depends on the vLLM (README, "vLLM versions"): vLLMs with
+the stride-permutation layouts (``vllm.v1.kv_cache_layout``, 0.32) are asked for
+``LBNHC`` and hand the layer over as ``[blocks, C, block_size, H]``; older ones (0.25)
+know only ``NHD``/``HND`` and hand it over as ``[blocks, block_size, C, H]``, which the
+connector reads through a permuted view. Which one is decided by what the installed vLLM
+offers (:func:`cache_layout_plan`), not by its version number.
 """
 from __future__ import annotations
 
@@ -34,6 +41,49 @@ from eagle3flow.atomic import write_json
 from eagle3flow.extract.vllm import (ERROR_SUFFIX, PARAMS_KEY, capture_layer_ids,
                                      find_cache_group, gather_sample)
 from eagle3flow.target.weights import load_target_head
+
+
+@dataclass(frozen=True)
+class CacheLayoutPlan:
+    """The layout name to ask vLLM for, and how the cache-only layer it hands over is
+    turned into ``[blocks, C, block_size, H]`` (what :func:`gather_sample` reads)."""
+    name: str
+    token_major: bool   # the layer arrives [blocks, block_size, C, H]
+
+
+def cache_layout_plan(layout_names) -> CacheLayoutPlan:
+    """The plan for a vLLM whose KV-cache layout names are ``layout_names``
+    (:func:`installed_layout_names`): ``LBNHC`` where it is known (the states of a token
+    side by side, the layer indexed captured id first), else ``NHD``, the token-major
+    layout every older vLLM with ``extract_hidden_states`` knows."""
+    names = set(layout_names)
+    if "LBNHC" in names:
+        return CacheLayoutPlan("LBNHC", token_major=False)
+    if "NHD" in names:
+        return CacheLayoutPlan("NHD", token_major=True)
+    raise ValueError(f"this vLLM's KV-cache layouts {sorted(names)} include neither LBNHC nor "
+                     f"NHD; the vLLM extraction backend supports the vLLMs the README names")
+
+
+def installed_layout_names() -> set[str]:
+    """The KV-cache layout names the installed vLLM resolves: its ``KVCacheLayout``
+    members where it has that enum (the 5-D stride permutations), else the two names
+    (``NHD``, ``HND``) that older vLLMs' attention backends accept."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return {"NHD", "HND"}
+    return {member.name for member in KVCacheLayout}
+
+
+def captured_major(cache: torch.Tensor, plan: CacheLayoutPlan, captured: int) -> torch.Tensor:
+    """The cache-only layer as ``[blocks, C, block_size, H]`` (a view, no copy)."""
+    axis = 2 if plan.token_major else 1
+    if cache.dim() != 4 or cache.shape[axis] != captured:
+        order = "[blocks, block_size, C, hidden]" if plan.token_major else "[blocks, C, block_size, hidden]"
+        raise ValueError(f"hidden-state cache of shape {tuple(cache.shape)} with layout {plan.name}; "
+                         f"expected {order} with C = {captured}")
+    return cache.permute(0, 2, 1, 3) if plan.token_major else cache
 
 
 @dataclass
@@ -119,7 +169,8 @@ class ShardConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
-        return "LBNHC"  # [blocks, captured ids, block_size, H]: a token's states together
+        # A token's captured states side by side in memory, whatever the vLLM calls it.
+        return cache_layout_plan(installed_layout_names()).name
 
     # ---------------------------------------------------------------- worker side
 
@@ -129,11 +180,9 @@ class ShardConnector(KVConnectorBase_V1, SupportsHMA):
                                                   list(kv_caches)))
         if len(layers) != 1:
             raise ValueError(f"expected one cache-only layer, found {layers}")
-        self._kv_cache = kv_caches[layers[0]]
         captured = len(capture_layer_ids(self._aux_layer_ids, self._num_layers))
-        if self._kv_cache.dim() != 4 or self._kv_cache.shape[1] != captured:
-            raise ValueError(f"hidden-state cache of shape {tuple(self._kv_cache.shape)}; "
-                             f"expected [blocks, {captured}, block_size, hidden]")
+        self._kv_cache = captured_major(kv_caches[layers[0]],
+                                        cache_layout_plan(installed_layout_names()), captured)
 
     def start_load_kv(self, *args, **kwargs):
         pass

@@ -45,10 +45,16 @@ MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 
 PROBE_TIMEOUT_S = 300
 
-# The oldest vLLM the stages work with: extraction uses the extract_hidden_states
-# speculative method (0.17 on), evaluation loads the exported drafts, whose default
-# architecture (norm_before_fc, norm_output) vLLM's llama_eagle3 reads from 0.22 on.
-MIN_VLLM = "0.22.0"
+# The vLLMs the stages were tested with, oldest and newest minor (README, "vLLM versions"):
+# 0.25.0 on an H200 (tests/gpu/RESULTS.md) and 0.32.0, the pin, on the CPU build (CI).
+# What differs between them is detected, not versioned: the hidden-state cache layout
+# (extract/vllm_connector.py) and per-request spec-decode metrics (serving/vllm_runner.py).
+# Older than 0.25: untested (0.22 loads the exported drafts, 0.17 has extract_hidden_states);
+# newer than 0.32: untested. Either is refused with the fix rather than run on trust.
+MIN_VLLM = "0.25.0"
+MAX_VLLM_MINOR = "0.32"
+FIX_VLLM = (f"install a vLLM from {MIN_VLLM} to {MAX_VLLM_MINOR}.x into the project's environment: "
+            f"make setup (pins {PINNED['vllm']})")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -206,12 +212,23 @@ def _outside(path: str | None, prefix: str) -> bool:
     return bool(path) and not os.path.realpath(path).startswith(os.path.realpath(prefix) + os.sep)
 
 
-def _old_vllm(env: dict) -> list[str]:
+def vllm_range_problem(version: str) -> str | None:
+    """Why vLLM ``version`` is outside the tested range; None inside it."""
+    tested = f"the stages are tested with vLLM {MIN_VLLM} to {MAX_VLLM_MINOR}.x"
+    if _version_tuple(version) < _version_tuple(MIN_VLLM):
+        return (f"vLLM {version} is older than {MIN_VLLM}; {tested} (extract_hidden_states with a "
+                f"KV connector, the exported drafts' norm_before_fc/norm_output)")
+    if _version_tuple(version)[:2] > _version_tuple(MAX_VLLM_MINOR)[:2]:
+        return f"vLLM {version} is newer than {MAX_VLLM_MINOR}.x; {tested}"
+    return None
+
+
+def _vllm_out_of_range(env: dict) -> list[str]:
     vllm = env.get("vllm")
-    if vllm and _version_tuple(vllm["version"]) < _version_tuple(MIN_VLLM):
-        return [f"{env['python']} has vLLM {vllm['version']}; the stages need >= {MIN_VLLM} "
-                f"(extract_hidden_states, the exported drafts' norm_before_fc/norm_output). This "
-                f"project's vLLM is its own, whatever the production unit runs. Fix: {FIX_CUDA}"]
+    problem = vllm and vllm_range_problem(vllm["version"])
+    if problem:
+        return [f"{env['python']}: {problem}. This project's vLLM is its own, whatever the "
+                f"production unit runs. Fix: {FIX_VLLM}"]
     return []
 
 
@@ -280,7 +297,7 @@ def cuda_problems(env: dict, driver: DriverFacts, gpus: int, context: str = "res
     elif gpus and vllm.get("platform") != "cuda":
         problems.append(f"vLLM {vllm['version']} in {python} found no CUDA platform (platform "
                         f"{vllm.get('platform')}): it cannot see the GPUs (driver, NVML). Fix: check nvidia-smi")
-    return problems + _old_vllm(env) + _foreign_imports(env)
+    return problems + _vllm_out_of_range(env) + _foreign_imports(env)
 
 
 def cpu_problems(env: dict) -> list[str]:
@@ -301,7 +318,7 @@ def cpu_problems(env: dict) -> list[str]:
     elif vllm.get("platform") != "cpu":
         problems.append(f"vLLM in {python} ({', '.join(vllm['distributions'])} {vllm['version']}) has platform "
                         f"{vllm.get('platform') or vllm.get('error')}, not cpu. {fix}")
-    return problems + _old_vllm(env) + _foreign_imports(env)
+    return problems + _vllm_out_of_range(env) + _foreign_imports(env)
 
 
 def describe(env: dict, driver: DriverFacts) -> str:

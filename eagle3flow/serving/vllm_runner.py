@@ -181,6 +181,29 @@ def _request_metrics(completion) -> dict | None:
             "per_step_drafted": list(m.per_step_drafted)}
 
 
+def engine_arg_names() -> set[str]:
+    """The keyword arguments the installed vLLM's ``LLM(...)`` takes (its ``EngineArgs``
+    fields): what the engine options below are chosen by, rather than by version."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def spec_engine_options(arg_names: set[str]) -> dict:
+    """Engine options of a speculative run that the installed vLLM may lack.
+
+    ``per_request_spec_decode_metrics`` (0.32; absent in 0.25): acceptance per verify
+    step for each request, so the replay can be compared prompt by prompt. Without it
+    the outputs carry no ``spec_decode`` and the evaluation reports no round agreement
+    (``round_agreement`` null); the acceptance itself comes from the engine's counters,
+    which every supported vLLM has."""
+    if "per_request_spec_decode_metrics" in arg_names:
+        return {"per_request_spec_decode_metrics": "detailed"}
+    return {}
+
+
 def cpu_engine_options(target_config: dict, dtype: str) -> dict:
     """vLLM CPU engine options a target needs to compute what transformers computes.
 
@@ -253,8 +276,7 @@ def generate(request: dict) -> dict:
         backend = (kwargs.get("attention_config") or {}).get("backend")
         if backend:   # an MLA draft picks its own backend: the same one as its target
             kwargs["speculative_config"].setdefault("attention_backend", backend)
-        # Per-request acceptance per verify step: lets the caller compare prompt by prompt.
-        kwargs["per_request_spec_decode_metrics"] = "detailed"
+        kwargs.update(spec_engine_options(engine_arg_names()))
 
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
