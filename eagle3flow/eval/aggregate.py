@@ -51,8 +51,9 @@ def per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict, k: i
 
 
 def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict, k: int,
-                max_k: int, tolerance: float) -> dict:
-    """Everything measured for one draft on one prompt set."""
+                max_k: int, tolerance: float, logits_at=None, dtype: str | None = None) -> dict:
+    """Everything measured for one draft on one prompt set; ``logits_at``/``dtype``: the
+    target's logits and the serving dtype that judge a divergence (agreement.compare_outputs)."""
     name = prompt_set["name"]
     set_replays = [replays[f"{name}/{o['id']}"] for o in base_set["outputs"]]
     vllm_acc = vllm_acceptance(spec_set["spec_decode"], base_set, spec_set)
@@ -63,7 +64,7 @@ def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict, 
     at_k = [{"id": o["id"], **r["by_k"][str(k)]} for o, r in zip(base_set["outputs"], set_replays)]
     return {
         "vllm": vllm_acc,
-        "lossless": compare_outputs(base_set["outputs"], spec_set["outputs"]),
+        "lossless": compare_outputs(base_set["outputs"], spec_set["outputs"], logits_at, dtype),
         "simulated": simulated,
         "agreement": agreement,
         "agreement_ok": agreement is not None and abs(agreement - 1.0) <= tolerance,

@@ -1,0 +1,135 @@
+"""Losslessness that holds on a GPU: a first divergence at a numerical near-tie of the
+target's own logits is reported apart; any other divergence fails (eval/agreement.py).
+And the vLLM-version adaptation of the evaluation's engine options."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3flow.eval.agreement import (NEAR_TIE_ULPS, classify_divergence, compare_outputs, dtype_ulp,
+                                       lossless_cell, lossless_text)
+from eagle3flow.eval.aggregate import set_result
+from eagle3flow.eval.evaluate import target_logits_at
+from eagle3flow.serving.vllm_runner import engine_arg_names, spec_engine_options
+from support.tiny_targets import make_tiny_llama
+
+
+def test_dtype_ulp_is_the_spacing_of_the_dtype():
+    assert dtype_ulp(1.0, "bfloat16") == 2.0 ** -7
+    assert dtype_ulp(-3.0, "bfloat16") == 2.0 ** -6       # [2, 4): one more binade
+    assert dtype_ulp(0.75, "float16") == 2.0 ** -11
+    assert dtype_ulp(1.0, "float32") == 2.0 ** -23
+    assert torch.tensor(1.0 + dtype_ulp(1.0, "bfloat16"), dtype=torch.bfloat16).item() != 1.0
+    assert torch.tensor(1.0 + dtype_ulp(1.0, "bfloat16") / 4, dtype=torch.bfloat16).item() == 1.0
+    with pytest.raises(ValueError, match="int8"):
+        dtype_ulp(1.0, "int8")
+
+
+def test_classify_divergence_needs_the_top_two_and_a_gap_within_the_threshold():
+    ulp = dtype_ulp(8.0, "bfloat16")
+    logits = [0.0, 8.0, 8.0 - NEAR_TIE_ULPS * ulp, 1.0]
+    assert classify_divergence(logits, 1, 2, "bfloat16")["near_tie"]
+    assert classify_divergence(logits, 2, 1, "bfloat16")["gap_ulps"] == NEAR_TIE_ULPS
+    wider = [0.0, 8.0, 8.0 - (NEAR_TIE_ULPS + 1) * ulp, 1.0]
+    assert not classify_divergence(wider, 1, 2, "bfloat16")["near_tie"]
+    assert not classify_divergence(logits, 1, 3, "bfloat16")["near_tie"], "not the runner-up"
+    assert not classify_divergence(logits, 1, 2, "float32")["near_tie"], "float32 resolves the gap"
+
+
+def _tie_target(tmp_path: Path, context: list[int], gaps_ulps: dict[int, float]) -> tuple[Path, int]:
+    """The tiny Llama with lm_head rows set so that, after ``context``, token ``b`` scores
+    ``gaps_ulps[b]`` bf16 ulps below the target's own greedy token (float32 logits).
+    Returns (target, its greedy token)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_llama(tmp_path / "target", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    head = model.get_output_embeddings().weight
+    assert not model.config.tie_word_embeddings      # moving a head row moves nothing else
+    with torch.no_grad():
+        out = model(torch.tensor([context]), output_hidden_states=True)
+        h = out.hidden_states[-1][0, -1]              # what lm_head reads (final norm applied)
+        greedy = int(out.logits[0, -1].argmax())
+        top = float(out.logits[0, -1, greedy])
+        ulp = dtype_ulp(top, "bfloat16")
+        for token, gap in gaps_ulps.items():
+            head[token] = head[greedy] - gap * ulp * h / h.dot(h)
+        model.save_pretrained(path)
+        logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([context])).logits[0, -1]
+    for token, gap in gaps_ulps.items():
+        assert abs(float(top - logits[token]) - gap * ulp) < 1e-5 * max(1.0, abs(top))
+    return path, greedy
+
+
+def test_near_tie_of_the_real_target_passes_apart_and_a_real_mismatch_fails(tmp_path):
+    """Prompt + 2 common tokens, then the runs part. Where the speculative run took a token
+    the target scores 2 bf16 ulps below its greedy one, that is a near-tie (passes, counted);
+    a token 40 ulps below, or one after a different prefix, is a real mismatch."""
+    prompt, common = [5, 17, 42, 9], [88, 23]
+    near_token, far_token = 300, 301
+    path, greedy = _tie_target(tmp_path, prompt + common, {near_token: 2, far_token: 40})
+    logits_at = target_logits_at(path, "cpu", "float32", {})
+
+    base = [{"id": "tie", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7, 7]},
+            {"id": "far", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7]},
+            {"id": "same", "prompt_token_ids": prompt, "output_token_ids": common + [greedy]}]
+    spec = [{"id": "tie", "output_token_ids": common + [near_token, 3]},
+            {"id": "far", "output_token_ids": common + [far_token, 7]},
+            {"id": "same", "output_token_ids": common + [greedy]}]
+    judged = compare_outputs(base, spec, logits_at, "bfloat16")
+    assert judged["near_tie_ids"] == ["tie"] and judged["real_mismatch_ids"] == ["far"]
+    assert not judged["passed"] and not judged["identical"]
+    tie = judged["divergences"]["tie"]
+    assert tie["position"] == 2 and tie["target_top2"] == [greedy, near_token]
+    assert tie["gap_ulps"] == pytest.approx(2, abs=0.01)
+    assert judged["divergences"]["far"]["gap_ulps"] == pytest.approx(40, abs=0.1)
+    assert lossless_text(judged) == "FAIL (1/3 real mismatches; 1/3 differ after a numerical near-tie)"
+
+    only_tie = compare_outputs(base[:1] + base[2:], spec[:1] + spec[2:], logits_at, "bfloat16")
+    assert only_tie["passed"] and only_tie["num_near_ties"] == 1 and not only_tie["identical"]
+    assert lossless_cell(only_tie) == "identical up to 1/2 near-ties"
+    assert lossless_text(only_tie) == "PASS (1/2 differ after a numerical near-tie)"
+    # The same divergence served in float32 is no near-tie: 2 bf16 ulps are 2^17 float32 ulps.
+    assert not compare_outputs(base[:1], spec[:1], logits_at, "float32")["passed"]
+    # Unjudged (no logits), every difference is a real mismatch, as before.
+    assert compare_outputs(base[:1], spec[:1])["real_mismatch_ids"] == ["tie"]
+
+
+def test_a_speculative_output_cut_short_is_a_real_mismatch():
+    base = [{"id": "a", "prompt_token_ids": [1], "output_token_ids": [4, 5, 6]}]
+    spec = [{"id": "a", "output_token_ids": [4, 5]}]
+
+    def never(context):
+        raise AssertionError("no logits needed: nothing to compare at the divergence")
+    res = compare_outputs(base, spec, never, "bfloat16")
+    assert not res["passed"] and res["first_divergence"] == {"a": 2} and res["divergences"] == {}
+    assert not compare_outputs(base, [], never, "bfloat16")["passed"]
+
+
+def test_spec_decode_metrics_asked_only_where_the_engine_has_them():
+    """0.32 (installed) takes per_request_spec_decode_metrics; 0.25 has no such engine argument."""
+    names = engine_arg_names()
+    assert {"model", "speculative_config", "per_request_spec_decode_metrics"} <= names
+    assert spec_engine_options(names) == {"per_request_spec_decode_metrics": "detailed"}
+    assert spec_engine_options(names - {"per_request_spec_decode_metrics"}) == {}
+
+
+def test_outputs_without_per_request_metrics_still_evaluate():
+    """What a vLLM without per-request metrics returns: counters, no ``spec_decode`` per
+    output. Acceptance and losslessness are there; round agreement is null, not wrong."""
+    outputs = [{"id": "p0", "output_token_ids": [3, 4, 5, 6], "spec_decode": None},
+               {"id": "p1", "output_token_ids": [7, 8], "spec_decode": None}]
+    base_set = {"outputs": outputs, "num_output_tokens": 6, "output_tokens_per_s": 10.0, "wall_time_s": 0.6}
+    spec_set = {**base_set, "output_tokens_per_s": 12.0,
+                "spec_decode": {"num_drafts": 3, "num_draft_tokens": 6, "num_accepted_tokens": 3,
+                                "num_accepted_tokens_per_pos": [2, 1]}}
+    replays = {f"eval/{o['id']}": {"by_k": {str(k): {"rounds": 2, "accepted": 1, "accepted_per_pos": [1, 0][:k],
+                                                     "per_round": [1, 0]} for k in (1, 2)}}
+               for o in outputs}
+    prompt_set = {"name": "eval", "category_of": {"p0": "a", "p1": "b"}}
+    r = set_result(prompt_set, base_set, spec_set, replays, 2, 2, 0.2)
+    assert r["vllm"]["acceptance_length"] == 2.0 and r["lossless"]["passed"]
+    assert r["round_agreement"] is None
+    assert r["per_category"]["a"]["vllm_acceptance_length"] is None
