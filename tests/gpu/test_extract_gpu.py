@@ -37,7 +37,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON
 
 RUNS = {   # name: (target, dtype, storage dtype)
     "llama-float32": ("llama", "float32", "auto"),
-    "llama-bfloat16": ("llama", "bfloat16", "auto"),
     "llama-bfloat16-fp8": ("llama", "bfloat16", "fp8"),
     "deepseek-bfloat16": ("deepseek", "bfloat16", "auto"),
     "deepseek-float32": ("deepseek", "float32", "auto"),
