@@ -32,3 +32,20 @@ def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.d
         device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups, SLURM), where
+    the platform says (Linux); else every core."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
+
+def limit_cpu_threads() -> int:
+    """torch's CPU threads for a stage: the job's (OMP_NUM_THREADS, which Snakemake sets
+    from the rule's ``threads``), never more than the cores this process may run on (two
+    threads sharing one core wait on each other's descheduled turns). Returns the count."""
+    threads = max(1, min(torch.get_num_threads(), usable_cores()))
+    torch.set_num_threads(threads)
+    return threads
+

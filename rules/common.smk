@@ -69,6 +69,13 @@ EXTRA_DRAFT_FILES = [f"{path}/{name}" for fmt, path in list(DRAFT_DIRS.items())[
                      for name in ("config.json", "model.safetensors")]
 MODEL_CARD = f"{RESULTS}/draft/README.md"
 GPUS = config["resources"]["gpus"]
+# The cores a local job may take (a cluster profile sets no total: --cores).
+LOCAL_CORES = workflow.resource_settings.cores or workflow.resource_settings.local_cores or 1
+# Threads of a stage that computes (Snakemake exports them as OMP_NUM_THREADS; the stage
+# also keeps to its affinity, eagle3flow/device.py limit_cpu_threads): every local core
+# where the CPU does the work (no GPUs), one where GPUs do it, so that stages that
+# overlap (streaming) are not held back by a count of cores they do not use.
+COMPUTE_THREADS = LOCAL_CORES if GPUS == 0 else 1
 DRAIN = config["drain"]
 SERVICE_DIR = f"{RESULTS}/service"
 

@@ -27,6 +27,7 @@ rule extract_hidden_states:
         gpu_stage=gpu_stage("extract_hidden_states"),
     wildcard_constraints:
         part=r"\d+",
+    threads: COMPUTE_THREADS
     resources:
         **gpu_resources(),
     log:

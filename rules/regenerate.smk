@@ -67,8 +67,8 @@ rule train_original_answers_draft:
         cache=CACHE,
         logs=f"{LOGS}/original_answers",
         snakefile=workflow.main_snakefile,
-    # the nested run gets this job's cores; a cluster profile sets no total (--cores)
-    threads: workflow.resource_settings.cores or workflow.resource_settings.local_cores or 1
+    # the nested run gets this job's cores
+    threads: LOCAL_CORES
     log:
         f"{LOGS}/train_original_answers_draft.log",
     benchmark:

@@ -82,6 +82,7 @@ if STREAM is not None:
         wildcard_constraints:
             # Links consumed by earlier runs are no jobs of this one (STREAM_CONSUMED).
             link="|".join(str(j) for j in range(STREAM_LAST) if j not in STREAM_CONSUMED) or "none",
+        threads: COMPUTE_THREADS
         resources:
             **gpu_resources(nodes=config["train"]["nodes"]),
         log:
@@ -111,6 +112,7 @@ if STREAM is not None:
             cfg=json_arg("train"),
             launch=train_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
+        threads: COMPUTE_THREADS
         resources:
             **gpu_resources(nodes=config["train"]["nodes"]),
         log:

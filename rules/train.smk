@@ -17,6 +17,7 @@ rule train_draft:
         cfg=json_arg("train"),
         gpu_stage=gpu_stage("train_draft"),
         launch=train_launch(),
+    threads: COMPUTE_THREADS
     resources:
         **gpu_resources(nodes=config["train"]["nodes"]),
     log:

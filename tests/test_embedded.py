@@ -70,6 +70,9 @@ def test_corpus_shape(corpus):
     answers = [m["content"] for conv in corpus for m in conv["messages"] if m["role"] == "assistant"]
     assert all(answer.strip() for answer in answers)
     assert not any(" at 0x" in answer for answer in answers), "memory addresses are not stable"
+    # nor is where this checkout's interpreter lives (platform.architecture's default)
+    texts = [m["content"] for conv in corpus for m in conv["messages"]]
+    assert not any(sys.prefix in text or sys.executable in text for text in texts)
     # Grounded: the first answer restates the documentation the question quotes (capped), so
     # a model trained for minutes answers held-out questions from what they say.
     for conv in corpus[::50]:

@@ -35,6 +35,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3flow.atomic import replacing, write_text
+from eagle3flow.device import usable_cores
 from eagle3flow.embedded.corpus import build_corpus, read_conversations
 from eagle3flow.embedded.tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
 from eagle3flow.progress import Progress
@@ -176,13 +177,6 @@ def _replace_dir(new: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(new, final)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: taskset, cgroups, SLURM), where
-    the platform says (Linux); else every core."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
 
 
 def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),

@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import inspect
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -159,10 +160,17 @@ def _signature_text(qualified_name: str, obj) -> str | None:
     except (TypeError, ValueError):
         return None
     text = f"`{qualified_name}{signature}`"
-    # Reprs of default objects carry memory addresses, which would break determinism.
-    if len(text) > MAX_SIGNATURE_CHARS or " at 0x" in text:
+    # Reprs of default objects carry memory addresses, and some defaults are this
+    # machine's paths (platform.architecture(executable=sys.executable)): either would
+    # make two checkouts build different corpora, so different targets.
+    if len(text) > MAX_SIGNATURE_CHARS or " at 0x" in text or any(repr(path) in text for path in _interpreter_paths()):
         return None
     return text
+
+
+def _interpreter_paths() -> set[str]:
+    """Values that differ between checkouts and machines: this interpreter and its venv."""
+    return {p for p in (sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
 
 
 def _defined_here(obj, module_name: str) -> bool:

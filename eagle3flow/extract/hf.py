@@ -33,6 +33,7 @@ import torch
 
 from eagle3flow.config import schema_defaults
 from eagle3flow.atomic import write_json
+from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import shards
 from eagle3flow.extract import vllm as vllm_backend
 from eagle3flow.extract.cache import HASH_THREADS
@@ -446,6 +447,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="vllm backend: GPUs the target is split over (default: all visible; 1 on CPU)")
     args = parser.parse_args(argv)
+    limit_cpu_threads()
     split_names = args.split_name or ["train"] * len(args.dataset)
     if not len(args.dataset) == len(args.manifest) == len(split_names):
         parser.error("give as many --manifest (and --split-name) as --dataset")

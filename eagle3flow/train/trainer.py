@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3flow.atomic import write_json
+from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
 from eagle3flow.progress import Progress
@@ -355,6 +356,7 @@ def main(argv=None) -> None:
         config = json.loads(args.config_json)
     except json.JSONDecodeError as e:
         parser.error(f"--config-json is not valid JSON: {e}")
+    limit_cpu_threads()
     train(args.train_manifest, args.eval_manifest, args.vocab_map, args.target, args.out_dir,
           args.cache_root, config, init_from=args.init_from, schedule_tokens=args.schedule_tokens,
           data_epoch=args.data_epoch)
