@@ -19,9 +19,15 @@ demo-smollm2: setup
 demo-regenerate: setup
 	snakemake --profile embedded-regenerate
 
+# CI's budget for `make test` on a fresh clone, the set-up included, on 2 cores; no test
+# group may take more than its share of it (tests/conftest.py: MAX_GROUP_SHARE).
+TEST_BUDGET_S := 2400
+TEST_WORKERS := 2
+
 test: setup
 	bash scripts/install_test_deps.sh
-	pytest -v -rs --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
+	EAGLE3FLOW_TEST_BUDGET_S=$(TEST_BUDGET_S) EAGLE3FLOW_TEST_WORKERS=$(TEST_WORKERS) \
+	pytest -v -rs --durations=40 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 lint: setup
 	snakemake --lint

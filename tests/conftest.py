@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,13 @@ SHARED = REPO.parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+# Where tests write what they report beside pass/fail (the fault matrix's table): a
+# folder of this run, never the checkout. Set here, before xdist starts its workers, so
+# that they all inherit one; EAGLE3FLOW_TEST_REPORTS=tests rewrites the committed tables.
+REPORTS = Path(os.environ.setdefault("EAGLE3FLOW_TEST_REPORTS",
+                                     tempfile.mkdtemp(prefix="eagle3flow-test-reports-"))).resolve()
 SESSION_START = pytest.StashKey[float]()
+GROUP_SECONDS = pytest.StashKey[dict]()
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +63,17 @@ def embedded_default_build(tmp_path_factory) -> Path:
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"embedded build failed:\n{result.stderr[-4000:]}"
     return out
+
+
+@pytest.fixture(scope="session")
+def embedded_workflow(embedded_default_build, tmp_path_factory) -> dict:
+    """The embedded workflow at CI's size, killed twice and rerun to the end (minutes),
+    made once per session and shared by the end-to-end test and the streaming tests
+    (support/workflow.py run_embedded_with_kills): copy from its workdir, or add to it
+    only what no other test reads."""
+    from support.workflow import run_embedded_with_kills
+
+    return run_embedded_with_kills(embedded_default_build, tmp_path_factory.mktemp("embedded_workflow"))
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +106,12 @@ LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", SHARED_BUILD, 
 
 
 def xdist_group(item) -> str:
-    module = item.path.name
-    test = f"{module}::{item.originalname}"
+    return group_of(item.path.name, item.originalname)
+
+
+def group_of(module: str, test: str) -> str:
+    """A test's group (``test``: its function's name, without parameters)."""
+    test = f"{module}::{test}"
     if test in SHARED_BUILD_TESTS or module in SHARED_BUILD_TESTS:
         return SHARED_BUILD
     return test if test in LONGEST_FIRST else module
@@ -105,15 +127,73 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(xdist_group(item), len(rank)), -size[xdist_group(item)]))
 
 
+# The suite's budget: `make test` sets EAGLE3FLOW_TEST_BUDGET_S (CI's, with the set-up)
+# and EAGLE3FLOW_TEST_WORKERS; the summary shows each group's time against it. A group
+# runs on one worker, so one group over 1/workers of the whole run's worker-seconds sets
+# the run's wall clock alone: a full run (the budget set) fails, naming the group, when
+# one takes more than MAX_GROUP_SHARE of them, so that growth is split or shared before
+# CI runs out. Shares, not seconds: a slower host moves every group alike. Nothing is
+# timed inside a test.
+MAX_GROUP_SHARE = 0.5
+
+
+_CONFIG: list = []
+
+
+def pytest_configure(config):
+    _CONFIG[:] = [config]
+
+
 def pytest_sessionstart(session):
     session.config.stash[SESSION_START] = time.time()
+    session.config.stash[GROUP_SECONDS] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    """Every phase's time (a module fixture's set-up counts to the test that made it),
+    summed per group; under xdist the controller sees every worker's reports."""
+    seconds = _CONFIG[0].stash.get(GROUP_SECONDS, None) if _CONFIG else None
+    if seconds is not None:
+        path, _, rest = report.nodeid.partition("::")
+        seconds[group_of(Path(path).name, rest.split("[", 1)[0].split("::")[-1])] += report.duration
+
+
+def budget_findings(seconds: dict[str, float]) -> tuple[list[str], list[str]]:
+    """(lines of the table of groups, groups over their share of the run's worker-seconds)."""
+    budget_s = float(os.environ.get("EAGLE3FLOW_TEST_BUDGET_S", 0))
+    workers = int(os.environ.get("EAGLE3FLOW_TEST_WORKERS", 1))
+    total = sum(seconds.values()) or 1.0
+    lines, over = [], []
+    for group, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        budget = f", {s / (budget_s * workers):5.1%} of the budget's {budget_s * workers:.0f}" if budget_s else ""
+        lines.append(f"{s:8.1f} s  {s / total:5.1%} of this run{budget}  {group}")
+        if budget_s and len(seconds) > 1 and s > MAX_GROUP_SHARE * total:
+            over.append(f"!!! test group {group} took {s:.0f} s, {s / total:.0%} of the run's {total:.0f} worker-s "
+                        f"(at most {MAX_GROUP_SHARE:.0%}): on {workers} workers it alone sets the wall clock; "
+                        "share its expensive work with another test or split it")
+    return lines, over
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """CI's log shows the fault matrix when tests/test_fault_matrix.py wrote it in this run
-    (in a worker, under xdist: read back from the file it writes)."""
-    matrix = REPO / "tests" / "fault_matrix.md"
+    """CI's log shows each group's time against the budget, and the fault matrix when
+    tests/test_fault_matrix.py wrote it in this run (in a worker, under xdist: read back
+    from the file it writes)."""
+    lines, over = budget_findings(config.stash.get(GROUP_SECONDS, {}))
+    if lines:
+        terminalreporter.write_sep("=", "time per test group (every phase, summed over workers)")
+        for line in lines + over:
+            terminalreporter.write_line(line)
+    matrix = REPORTS / "fault_matrix.md"
     start = config.stash.get(SESSION_START, None)
     if start is not None and matrix.is_file() and matrix.stat().st_mtime >= start:
-        terminalreporter.write_sep("=", "fault matrix (tests/fault_matrix.md)")
+        terminalreporter.write_sep("=", f"fault matrix ({matrix})")
         terminalreporter.write_line(matrix.read_text())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _, over = budget_findings(session.config.stash.get(GROUP_SECONDS, {}))
+    if over and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

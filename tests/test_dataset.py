@@ -344,12 +344,11 @@ def test_cli_end_to_end(tokenizer_dirs, tmp_path):
 
 
 def test_cli_hub_id_fails_fast_offline(tokenizer_dirs, tmp_path):
-    start = time.perf_counter()
+    # timeout: a CLI that tried the network would hang on it (subprocess.TimeoutExpired)
     result = _cli("--input", "no-such-org/no-such-dataset", "--tokenizer", tokenizer_dirs["llama3"],
-                  "--out-dir", tmp_path / "out", timeout=60)
+                  "--out-dir", tmp_path / "out", timeout=120)
     assert result.returncode == 1
     assert "'no-such-org/no-such-dataset'" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
-    assert time.perf_counter() - start < 60
     missing = _cli("--input", tmp_path / "missing.jsonl", "--tokenizer", tokenizer_dirs["llama3"],
                    "--out-dir", tmp_path / "out")
     assert missing.returncode == 1 and "missing.jsonl' does not exist" in missing.stderr
