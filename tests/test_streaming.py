@@ -30,7 +30,7 @@ from eagle3flow.ops.sizes import tree_bytes
 from eagle3flow.ops import streaming
 from support.box import FakeBox
 from support.builders import make_hidden_states, make_vocab_map
-from support.workflow import kill_when, place_embedded, snakemake, start_snakemake, workflow_copy
+from support.workflow import embedded_args, embedded_config, kill_when, measured_peak, snakemake, start_snakemake
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,57 +130,21 @@ def stats_tokens(stats: Path) -> int:
 
 # ---------------------------------------------------------------- the workflow, streamed
 
-SIZES = {
-    "dataset": {"max_samples": 400},
-    "extract": {"shard_tokens": 1024},
-    "train": {"epochs": 1, "batch_tokens": 1024, "checkpoint_every": 3, "log_every": 3},
-    "evaluate": {"num_prompts": 32, "max_tokens": 32},
-    "storage": {"sample_interval_s": 0.2},
-}
 PARTITIONS = 3
 SIZES_TTT_STEPS = 7   # train.ttt_steps, the default
 
 
-def run_args(config: Path) -> list[str]:
-    """Options after the targets (--configfile takes every word after it)."""
-    return ["--profile", "profiles/embedded", "--cores", "2",
-            "--configfile", "profiles/embedded/workflow.yaml", str(config)]
-
-
-def write_config(path: Path, **extra) -> Path:
-    config = json.loads(json.dumps(SIZES))
-    for key, value in extra.items():
-        config.setdefault(key, {}).update(value)
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def measured_peak(workdir: Path) -> int:
-    """The peak of the last run's disk sampler, once it has seen the run end."""
-    path = workdir / "results" / "plan" / "disk_peak.json"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        data = json.loads(path.read_text())
-        if data.get("finished") or "projected_peak_bytes" in data:
-            return int(data["peak_bytes"])
-        time.sleep(0.2)
-    pytest.fail(f"{path}: the disk sampler did not finish")
-
-
 @pytest.fixture(scope="module")
-def streamed(embedded_default_build, tmp_path_factory):
+def streamed(embedded_workflow, tmp_path_factory):
     root = tmp_path_factory.mktemp("streaming")
     timings = {}
 
-    # 1. Unbudgeted: the full hidden states, one training run, the exported draft.
-    full = workflow_copy(root / "full")
-    place_embedded(embedded_default_build, full)
-    t0 = time.monotonic()
-    result = snakemake(full, "results/draft/model.safetensors", *run_args(write_config(root / "full.yaml")),
-                       timeout=1200)
-    timings["unbudgeted"] = time.monotonic() - t0
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    full_peak = measured_peak(full)
+    # 1. Unbudgeted: the session's embedded run (conftest.py embedded_workflow): the full
+    #    hidden states, one training run, the exported draft, measured at CI's size.
+    full = embedded_workflow["workdir"]
+    assert embedded_workflow["result"].returncode == 0, \
+        (embedded_workflow["result"].stdout + embedded_workflow["result"].stderr)[-5000:]
+    full_peak = embedded_workflow["peak_bytes"]
     train_hidden = tree_bytes(full / "cache" / "hidden_states")
 
     # 2. The same data under a budget smaller than the full hidden states: 3 partitions,
@@ -188,14 +152,14 @@ def streamed(embedded_default_build, tmp_path_factory):
     stream = root / "stream"
     shutil.copytree(full, stream, symlinks=True)
     for rel in ("cache", "logs", "results/hidden_states", "results/train", "results/draft", "results/plan",
-                "results/benchmarks"):
+                "results/benchmarks", "results/eval", "results/report"):
         shutil.rmtree(stream / rel, ignore_errors=True)
     budget = int(full_peak - train_hidden / PARTITIONS)
-    config = write_config(root / "stream.yaml", extract={"partitions": PARTITIONS},
-                          storage={"max_bytes": budget},
-                          evaluate={"compare_drafts": {"unbudgeted": str(full / "results" / "draft")}})
+    config = embedded_config(root / "stream.json", extract={"partitions": PARTITIONS},
+                             storage={"max_bytes": budget},
+                             evaluate={"compare_drafts": {"unbudgeted": str(full / "results" / "draft")}})
     # The evaluation of both drafts, and the record of what the chain consumed.
-    args = ["results/eval/summary.json", "results/hidden_states/train/manifest.json", *run_args(config)]
+    args = ["results/eval/summary.json", "results/hidden_states/train/manifest.json", *embedded_args(config)]
 
     # 3. Killed while training partition 1, once it has a checkpoint of its own.
     log1 = root / "killed.log"

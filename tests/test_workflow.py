@@ -14,14 +14,10 @@ import pytest
 
 from support.builders import write_word_conversations
 from support.report_checks import check_embedded_report
-from support.workflow import (BIN, REPO, answer_diversity, answers_matching_evaluation, greedy_answers, kill_when,
-                              place_embedded, snakemake, snakemake_env, start_snakemake, workflow_copy)
+from support.workflow import (BIN, REPO, answer_diversity, answers_matching_evaluation, file_identity, greedy_answers,
+                              snakemake, snakemake_env, workflow_copy)
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-
-
-def file_identity(paths) -> dict:
-    return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
 
 
 def test_profiles_resolve_from_repo_root():
@@ -61,36 +57,19 @@ def test_lint_is_clean():
 
 
 @pytest.mark.slow
-def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path):
+def test_embedded_default_end_to_end_with_kills(embedded_workflow, tmp_path):
     """The embedded default from the dataset on (the target build is the session's, made
-    by the same code; the rule itself runs in tests/test_slurm.py), killed twice."""
-    workdir = workflow_copy(tmp_path / "wf")
-    place_embedded(embedded_default_build, workdir)
-    shard_glob = lambda: sorted((workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))
-    checkpoint_glob = lambda: sorted((workdir / "cache" / "train").glob("*/step-*/state.pt"))
-
-    # 1. Killed during extraction, once the first shard is complete.
-    log1 = tmp_path / "run1.log"
-    proc = start_snakemake(workdir, "--profile", "embedded", log=log1,
-                           EAGLE3FLOW_TEST_SHARD_DELAY="3")
-    kill_when(proc, lambda: len(shard_glob()) >= 1, 1200, "the first hidden-state shard", log1)
-    finished_shards = file_identity(shard_glob())
-    assert finished_shards
-
-    # 2. Rerun, killed during training once a checkpoint exists.
-    log2 = tmp_path / "run2.log"
-    proc = start_snakemake(workdir, "--profile", "embedded", log=log2)
-    kill_when(proc, lambda: len(checkpoint_glob()) >= 1, 1200, "the first training checkpoint", log2)
-    assert file_identity(finished_shards_paths := [Path(p) for p in finished_shards]) == finished_shards
-    checkpoints_before = [p.parent.name for p in checkpoint_glob()]
-
-    # 3. Rerun to the end.
-    result = snakemake(workdir, "--profile", "embedded", timeout=1800)
+    by the same code; the rule itself runs in tests/test_slurm.py), killed twice
+    (conftest.py embedded_workflow), then its results, the publish step, a rerun and the report."""
+    run = embedded_workflow
+    workdir, result = run["workdir"], run["result"]
+    assert run["finished_shards"] and run["shards_after_second_run"] == run["finished_shards"]
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
-    assert file_identity(finished_shards_paths) == finished_shards, "a finished shard was recomputed"
+    finished_shards_paths = [Path(p) for p in run["finished_shards"]]
+    assert file_identity(finished_shards_paths) == run["finished_shards"], "a finished shard was recomputed"
     train_log = (workdir / "logs" / "train_draft.log").read_text()
-    resumed_step = int(checkpoints_before[-1].split("-")[-1])
+    resumed_step = int(run["checkpoints_before"][-1].split("-")[-1])
     assert f"resuming from" in train_log and f"(step {resumed_step}/" in train_log, train_log[-3000:]
     assert "draft:" in output and "summary:" in output  # where the results are
 
@@ -117,8 +96,8 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert "vllm serve" in card and "--speculative-algorithm EAGLE3" in card
     # publish_draft up to the upload: the token from the environment, never in the output.
     secret = "hf_test_not_a_real_token_123"
-    result = snakemake(workdir, "--profile", "embedded", "publish_draft", "--config",
-                       "hub={repo_id: me/embedded-eagle3, dry_run: true}", HF_TOKEN=secret, timeout=300)
+    result = snakemake(workdir, "publish_draft", "--config", "hub={repo_id: me/embedded-eagle3, dry_run: true}",
+                       *run["args"], HF_TOKEN=secret, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     record = json.loads((workdir / "results" / "draft" / "published.json").read_text())
     assert record["dry_run"] is True and set(record["files"]) == {"config.json", "model.safetensors", "README.md"}
@@ -126,11 +105,11 @@ def test_embedded_default_end_to_end_with_kills(embedded_default_build, tmp_path
     assert "me/embedded-eagle3" in logs and secret not in logs
 
     # 4. A finished workflow reruns nothing.
-    result = snakemake(workdir, "--profile", "embedded", "-n", timeout=300)
+    result = snakemake(workdir, "-n", *run["args"], timeout=300)
     assert "Nothing to be done" in result.stdout + result.stderr, result.stdout
 
     # 5. The report: one self-contained HTML with every figure, rendered in Chromium.
-    check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env())
+    check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env(), args=run["args"])
 
 
 @pytest.mark.slow

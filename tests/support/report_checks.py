@@ -153,10 +153,11 @@ EMBEDDED_FIGURES = ["training.png", "throughput.png", "vocab_coverage.png",
 
 
 def check_embedded_report(workdir: Path, tmp_dir: Path, snakemake_bin: Path, env: dict | None = None,
-                          timeout: float = 600) -> dict:
-    """`snakemake --profile embedded --report report.html` in a finished embedded run's
-    workdir, then :func:`check_report` on it with every figure of the report stage."""
-    result = subprocess.run([str(snakemake_bin), "--profile", "embedded", "--report", "report.html"],
+                          timeout: float = 600, args: tuple[str, ...] = ("--profile", "embedded")) -> dict:
+    """`snakemake --report report.html --profile embedded` (or ``args``: the run's own) in a
+    finished embedded run's workdir, then :func:`check_report` on it with every figure of
+    the report stage."""
+    result = subprocess.run([str(snakemake_bin), "--report", "report.html", *args],
                             cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return check_report(Path(workdir) / "report.html", tmp_dir, figures=EMBEDDED_FIGURES,

@@ -90,6 +90,81 @@ def place_embedded(build: Path, workdir: Path) -> None:
         shutil.copy2(build / name, dest / name)
 
 
+# ----------------------------------------------------------------------------- the embedded run
+
+# The embedded default (`--profile embedded`) at the size CI affords: a part of the
+# corpus, one epoch of small batches (many steps: the draft learns from few tokens),
+# shards small enough that a kill lands between finished ones; the disk sampler often.
+# `make demo` runs the profile at its full size; what the run does is the same.
+EMBEDDED_CI_SIZES = {
+    "dataset": {"max_samples": 1200},
+    "extract": {"shard_tokens": 1024},
+    "train": {"epochs": 1, "batch_tokens": 1024, "checkpoint_every": 3, "log_every": 3},
+    "evaluate": {"num_prompts": 32},
+    "storage": {"sample_interval_s": 0.2},
+}
+
+
+def embedded_args(config: Path) -> list[str]:
+    """The README's `--profile embedded` with ``config`` on top (options after the targets:
+    --configfile takes every word after it)."""
+    return ["--profile", "profiles/embedded", "--configfile", "profiles/embedded/workflow.yaml", str(config)]
+
+
+def embedded_config(path: Path, **extra) -> Path:
+    """EMBEDDED_CI_SIZES with ``extra`` sections merged over them, as a config file."""
+    config = json.loads(json.dumps(EMBEDDED_CI_SIZES))
+    for key, value in extra.items():
+        config.setdefault(key, {}).update(value)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def file_identity(paths) -> dict:
+    return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
+
+
+def run_embedded_with_kills(build: Path, root: Path) -> dict:
+    """The embedded workflow from the dataset on (the target: the session's build, made by
+    the rule's own code), SIGKILLed once during extraction (after its first shard) and
+    once during training (after its first checkpoint), then rerun to the end. What the
+    end-to-end test checks, and the unbudgeted run the streaming tests compare with."""
+    workdir = workflow_copy(root / "wf")
+    place_embedded(build, workdir)
+    args = embedded_args(embedded_config(root / "ci.json"))
+    shard_glob = lambda: sorted((workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))  # noqa: E731
+    checkpoint_glob = lambda: sorted((workdir / "cache" / "train").glob("*/step-*/state.pt"))  # noqa: E731
+
+    log1 = root / "run1.log"
+    proc = start_snakemake(workdir, *args, log=log1, EAGLE3FLOW_TEST_SHARD_DELAY="3")
+    kill_when(proc, lambda: len(shard_glob()) >= 1, 1200, "the first hidden-state shard", log1)
+    finished_shards = file_identity(shard_glob())
+
+    log2 = root / "run2.log"
+    proc = start_snakemake(workdir, *args, log=log2)
+    kill_when(proc, lambda: len(checkpoint_glob()) >= 1, 1200, "the first training checkpoint", log2)
+    shards_after_second_run = file_identity([Path(p) for p in finished_shards])
+    checkpoints_before = [p.parent.name for p in checkpoint_glob()]
+
+    result = snakemake(workdir, *args, timeout=1800)
+    return {"workdir": workdir, "args": args, "result": result, "finished_shards": finished_shards,
+            "shards_after_second_run": shards_after_second_run, "checkpoints_before": checkpoints_before,
+            # this run's measured peak, before a later run's sampler rewrites it
+            "peak_bytes": measured_peak(workdir) if result.returncode == 0 else None}
+
+
+def measured_peak(workdir: Path) -> int:
+    """The peak of the last run's disk sampler, once it has seen the run end."""
+    path = workdir / "results" / "plan" / "disk_peak.json"
+    until = time.monotonic() + 30
+    while time.monotonic() < until:
+        data = json.loads(path.read_text())
+        if data.get("finished") or "projected_peak_bytes" in data:
+            return int(data["peak_bytes"])
+        time.sleep(0.2)
+    pytest.fail(f"{path}: the disk sampler did not finish")
+
+
 # ----------------------------------------------------------------------------- its results
 
 def greedy_answers(results: Path, prompt_set: str = "eval") -> list[list[int]]:
