@@ -45,7 +45,7 @@ def limit_cpu_threads() -> int:
     """torch's CPU threads for a stage: the job's (OMP_NUM_THREADS, which Snakemake sets
     from the rule's ``threads``), never more than the cores this process may run on (two
     threads sharing one core wait on each other's descheduled turns). Returns the count."""
-    threads = max(1, min(torch.get_num_threads(), usable_cores()))
+    threads = min(torch.get_num_threads(), usable_cores())
     torch.set_num_threads(threads)
     return threads
 

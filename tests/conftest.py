@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 REPORTS = Path(os.environ.setdefault("EAGLE3FLOW_TEST_REPORTS",
                                      tempfile.mkdtemp(prefix="eagle3flow-test-reports-"))).resolve()
 SESSION_START = pytest.StashKey[float]()
-GROUP_SECONDS = pytest.StashKey[dict]()
+# Each test group's seconds, every phase summed (on the controller: every worker's reports).
+GROUP_SECONDS: dict[str, float] = defaultdict(float)
 
 
 @pytest.fixture(scope="session")
@@ -137,25 +138,15 @@ def pytest_collection_modifyitems(config, items):
 MAX_GROUP_SHARE = 0.5
 
 
-_CONFIG: list = []
-
-
-def pytest_configure(config):
-    _CONFIG[:] = [config]
-
-
 def pytest_sessionstart(session):
     session.config.stash[SESSION_START] = time.time()
-    session.config.stash[GROUP_SECONDS] = defaultdict(float)
 
 
 def pytest_runtest_logreport(report):
     """Every phase's time (a module fixture's set-up counts to the test that made it),
     summed per group; under xdist the controller sees every worker's reports."""
-    seconds = _CONFIG[0].stash.get(GROUP_SECONDS, None) if _CONFIG else None
-    if seconds is not None:
-        path, _, rest = report.nodeid.partition("::")
-        seconds[group_of(Path(path).name, rest.split("[", 1)[0].split("::")[-1])] += report.duration
+    path, _, rest = report.nodeid.partition("::")
+    GROUP_SECONDS[group_of(Path(path).name, rest.split("[", 1)[0].split("::")[-1])] += report.duration
 
 
 def budget_findings(seconds: dict[str, float]) -> tuple[list[str], list[str]]:
@@ -178,7 +169,7 @@ def pytest_terminal_summary(terminalreporter, config):
     """CI's log shows each group's time against the budget, and the fault matrix when
     tests/test_fault_matrix.py wrote it in this run (in a worker, under xdist: read back
     from the file it writes)."""
-    lines, over = budget_findings(config.stash.get(GROUP_SECONDS, {}))
+    lines, over = budget_findings(GROUP_SECONDS)
     if lines:
         terminalreporter.write_sep("=", "time per test group (every phase, summed over workers)")
         for line in lines + over:
@@ -194,6 +185,6 @@ def pytest_terminal_summary(terminalreporter, config):
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    _, over = budget_findings(session.config.stash.get(GROUP_SECONDS, {}))
+    _, over = budget_findings(GROUP_SECONDS)
     if over and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

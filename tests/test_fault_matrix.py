@@ -43,7 +43,7 @@ import yaml
 from conftest import REPORTS
 from support.box import UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
 from support.processes import alive
-from support.workflow import REPO, snakemake, start_snakemake, workflow_copy
+from support.workflow import REPO, file_identity, snakemake, start_snakemake, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
 
@@ -171,10 +171,10 @@ class Scenario:
 
     # what is on disk
     def shards(self) -> dict:
-        return identities((self.workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))
+        return file_identity((self.workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))
 
     def checkpoints(self) -> dict:
-        return identities((self.workdir / "cache" / "train").glob("*/step-*/state.pt"))
+        return file_identity((self.workdir / "cache" / "train").glob("*/step-*/state.pt"))
 
     def session(self) -> dict | None:
         return self.box.session()
@@ -213,10 +213,6 @@ class Scenario:
 
     def close(self) -> None:
         self.box.close()
-
-
-def identities(paths) -> dict:
-    return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
 
 
 def rewritten(before: dict, after: dict) -> int:
@@ -483,10 +479,10 @@ def test_second_snakemake_while_the_first_runs(scenario):
     sc = scenario()
     first = sc.start(*UNTIL, EAGLE3FLOW_TEST_SHARD_DELAY="2")
     sc.wait(lambda: stage_pids(sc, "eagle3flow.extract.hf"), 240, "extraction running", first)
-    locks_before = identities((sc.workdir / ".snakemake" / "locks").glob("*.lock"))
+    locks_before = file_identity((sc.workdir / ".snakemake" / "locks").glob("*.lock"))
     session_before = sc.session()
     second = sc.run(*UNTIL)
-    locks_after = identities((sc.workdir / ".snakemake" / "locks").glob("*.lock"))
+    locks_after = file_identity((sc.workdir / ".snakemake" / "locks").glob("*.lock"))
     session_after = sc.session()
     first.wait(timeout=400)
     out = second.stdout + second.stderr

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.sizes import tree_bytes
