@@ -39,8 +39,10 @@ RUNS = {   # name: (target, dtype, storage dtype)
     "llama-float32": ("llama", "float32", "auto"),
     "llama-bfloat16-fp8": ("llama", "bfloat16", "fp8"),
     "deepseek-bfloat16": ("deepseek", "bfloat16", "auto"),
-    "deepseek-float32": ("deepseek", "float32", "auto"),
 }
+# No MLA in float32: vLLM's CUDA MLA backends take 16-bit activations only (seen on an H200,
+# vLLM 0.25: "No valid attention backend found ... use_mla=True", every backend "dtype not
+# supported"), so an MLA target extracts in bfloat16 as it is served.
 
 
 @pytest.fixture(scope="module")

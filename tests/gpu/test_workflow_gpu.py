@@ -1,5 +1,5 @@
-"""``snakemake --profile embedded`` end to end on CUDA, and the evaluation of its trained
-draft: vLLM's counters, the replay's agreement with them, and losslessness as
+"""``snakemake --profile profiles/embedded`` end to end on CUDA (a path: no ``make setup``
+links the profiles on a GPU machine), and the evaluation of its trained draft: vLLM's counters, the replay's agreement with them, and losslessness as
 eagle3flow/eval/agreement.py defines it (near-ties of the target's logits apart)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen([snakemake, "--profile", "embedded"], cwd=workdir, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([snakemake, "--profile", "profiles/embedded"], cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=530)
