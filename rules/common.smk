@@ -13,14 +13,14 @@ from eagle3flow import config as config_lib
 from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
-from eagle3flow.ops.drain_state import DRAINED_STAGES, run_id_of
+from eagle3flow.ops.drain.state import DRAINED_STAGES, run_id_of
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
 # nothing; eagle3flow/ops/invocation.py). Jobs that re-read the workflow never act either.
 RUNS_JOBS = workflow.is_main_process and runs_jobs()
 # This run's token: onstart puts it in Snakemake's environment, so every job and what it
-# starts carries it (eagle3flow/ops/service.py: the drain and the watchdog tell runs apart by it).
+# starts carries it (eagle3flow/ops/drain/service.py: the drain and the watchdog tell runs apart by it).
 RUN_ENV = "EAGLE3FLOW_RUN"
 RUN_ID = None
 if RUNS_JOBS:
@@ -187,9 +187,9 @@ def drain_flag_of(stage, wildcard):
 
 
 def gpu_stage(stage):
-    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/ops/gpu_stage.py):
+    """The GPU stage wrapper in front of a GPU rule's command (eagle3flow/ops/drain/gpu_stage.py):
     ``{gpu_stage} --log {log} -- <the stage's command>``."""
-    command = f"python -m eagle3flow.ops.gpu_stage --stage {stage} --gpus {GPUS}"
+    command = f"python -m eagle3flow.ops.drain.gpu_stage --stage {stage} --gpus {GPUS}"
     if DRAIN["enabled"]:
         command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
     return command

@@ -22,6 +22,6 @@ rule drain_service:
     conda:
         "../envs/service.yaml"
     shell:
-        "python -m eagle3flow.ops.service drain --stage {wildcards.stage} --gpus {params.gpus}"
+        "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
         " --settings-json {params.settings} --state-dir {params.state_dir} --flag {output.flag}"
         " 2>&1 | tee {log}"

@@ -1,12 +1,12 @@
 # Helpers of rules/drain.smk and the workflow's onstart/onsuccess/onerror (the flags and
 # the stage wrapper the GPU rules take are in rules/common.smk).
 # Frees the GPUs for the GPU stages on a box whose vLLM systemd unit holds them all,
-# and brings the unit back (eagle3flow/ops/service.py; what it does: docs/service.md).
+# and brings the unit back (eagle3flow/ops/drain/service.py; what it does: docs/service.md).
 #
 # One drain job per GPU stage (a temp() flag the stage takes as input): Snakemake
 # schedules it only when that stage has to run, after the stage's other inputs
 # exist, so production stays up while the CPU stages before it run. Every GPU rule's
-# one command is eagle3flow.ops.gpu_stage, which runs the stage and hands its real exit
+# one command is eagle3flow.ops.drain.gpu_stage, which runs the stage and hands its real exit
 # status to the drain: the unit comes back after the last GPU stage of the run (or a
 # failed one); onsuccess/onerror and a detached watchdog restore it in every other case.
 import glob
@@ -25,7 +25,7 @@ def drained_stage_inputs(wildcards):
 def write_drain_plan():
     """onstart: record the run and which drained stages it will run, so that a stage's
     end knows whether the GPUs are needed again or the unit can come back."""
-    from eagle3flow.ops.drain_state import write_plan
+    from eagle3flow.ops.drain.state import write_plan
 
     # One entry per job: streaming alternates extraction and training jobs.
     stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
@@ -34,8 +34,8 @@ def write_drain_plan():
 
 def restore_service(reason):
     """onsuccess/onerror: bring the unit back if this run left it drained."""
-    from eagle3flow.ops.drain_cycle import restore_if_drained
-    from eagle3flow.ops.drain_state import ServiceError
+    from eagle3flow.ops.drain.cycle import restore_if_drained
+    from eagle3flow.ops.drain.state import ServiceError
 
     for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
         os.remove(flag)
@@ -49,7 +49,7 @@ def restore_service(reason):
 
 def print_downtime():
     """The run's drain/restore cycles, for the summary at the end of the run."""
-    from eagle3flow.ops.drain_state import run_summary
+    from eagle3flow.ops.drain.state import run_summary
 
     if not DRAIN["enabled"]:
         return
@@ -63,7 +63,7 @@ def drop_stale_drain_flags():
     a dead run must not let a GPU stage start on a running service (the stage wrapper
     refuses then anyway). Only a run does this, and only when no live run holds the
     session: a dry run or a second terminal changes nothing."""
-    from eagle3flow.ops.drain_state import ServiceError, State, session_verdict
+    from eagle3flow.ops.drain.state import ServiceError, State, session_verdict
 
     flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
     if not flags:

@@ -36,11 +36,11 @@ rule extract_hidden_states:
         f"{BENCHMARKS}/extract_hidden_states_{{part}}.tsv"
     conda:
         # extract.backend auto resolves in the job (vLLM where it sees several GPUs):
-        # the environment is the one the plan expects (eagle3flow/ops/plan.py extract_backend).
+        # the environment is the one the plan expects (eagle3flow/ops/plan/ extract_backend).
         "../envs/vllm.yaml" if plan_lib.extract_backend(config) == "vllm" else "../envs/train.yaml"
     shell:
         "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.extract.hf --target {input.target:q} --cache-root {params.cache}"
+        " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache}"
         " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
         " --split-name train --dataset {input.train} --manifest {output.train}"
         " --split-name eval --dataset {input.eval} --manifest {output.eval}"

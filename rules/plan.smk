@@ -1,4 +1,4 @@
-# The plan (eagle3flow/ops/plan.py): the disk budget is checked when the workflow is read
+# The plan (eagle3flow/ops/plan/): the disk budget is checked when the workflow is read
 # (rules/common.smk, dry runs too), before any job runs and so before any model loads.
 # onstart prints the plan with what Snakemake's DAG will run, checks the budget again
 # against it and starts a sampler of results/ + cache/ sizes; onsuccess/onerror print

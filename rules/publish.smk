@@ -1,4 +1,4 @@
-# The model card (eagle3flow/export/model_card.py) beside the exported draft, and, when asked for
+# The model card (eagle3flow/report/model_card.py) beside the exported draft, and, when asked for
 # by name (`snakemake --profile P publish_draft`), its upload to the Hugging Face Hub
 # (eagle3flow/export/publish.py; the token only from the environment).
 
@@ -23,7 +23,7 @@ rule write_model_card:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.export.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
+        "python -m eagle3flow.report.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
         " --vocab-stats {input.vocab_stats} --dataset-stats {input.dataset_stats}"
         " --train-eval {input.train_eval} --target {input.target:q} {params.base_model}"
         " --out {output.card} 2>&1 | tee {log}"

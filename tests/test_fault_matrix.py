@@ -184,7 +184,7 @@ class Scenario:
 
     def run_gone(self) -> bool:
         """No process carries the token of the run that plan.json names (its jobs have ended)."""
-        from eagle3flow.ops.procfs import pids_with_env
+        from eagle3flow.procfs import pids_with_env
 
         plan = json.loads((self.box.state_dir / "plan.json").read_text())
         return not pids_with_env("EAGLE3FLOW_RUN", plan["run_id"])
@@ -287,7 +287,7 @@ def test_snakemake_main_process_killed_its_job_lives_on(scenario, stage):
     sc = scenario()
     slow = {"EAGLE3FLOW_TEST_SHARD_DELAY": "2"} if stage == "extraction" else {"EAGLE3FLOW_TEST_STEP_DELAY": "1"}
     proc = sc.start(*UNTIL, **slow)
-    module = "eagle3flow.extract.hf" if stage == "extraction" else "eagle3flow.train.trainer"
+    module = "eagle3flow.extract" if stage == "extraction" else "eagle3flow.train.trainer"
     ready = (lambda: len(sc.shards()) >= 1) if stage == "extraction" else (lambda: len(sc.checkpoints()) >= 1)
     sc.wait(lambda: ready() and stage_pids(sc, module), 240, f"a finished {stage} file", proc)
     shards, checkpoints = sc.shards(), sc.checkpoints()
@@ -319,7 +319,7 @@ def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
     gone, and the rerun recomputes nothing finished."""
     # vLLM's CPU build serves the evaluation here: one process, no tensor parallelism.
     sc = scenario(**({"evaluate": {"device": "cpu"}} if stage == "evaluate_draft" else {}))
-    module = {"extract_hidden_states": "eagle3flow.extract.hf", "train_draft": "eagle3flow.train.trainer",
+    module = {"extract_hidden_states": "eagle3flow.extract", "train_draft": "eagle3flow.train.trainer",
               "evaluate_draft": "eagle3flow.eval.evaluate"}[stage]
     targets = UNTIL if stage != "evaluate_draft" else ("results/eval/summary.json",)
     # Slowed only where the kill must land: between shards, between checkpoints.
@@ -375,7 +375,7 @@ def test_gpu_stage_signalled(scenario):
     restores only once the stage's processes are gone."""
     sc = scenario()
     proc = sc.start(*UNTIL, EAGLE3FLOW_TEST_SHARD_DELAY="3")
-    sc.wait(lambda: len(sc.shards()) >= 1 and stage_pids(sc, "eagle3flow.extract.hf"), 240,
+    sc.wait(lambda: len(sc.shards()) >= 1 and stage_pids(sc, "eagle3flow.extract"), 240,
             "extraction running", proc)
     shards = sc.shards()
     os.killpg(proc.pid, signal.SIGTERM)
@@ -402,7 +402,7 @@ def test_unit_that_fails_to_start_again(scenario):
     the command; once the unit is repaired that command closes the cycle."""
     sc = scenario()
     proc = sc.start(*UNTIL)
-    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract.hf"), 240, "extraction running", proc)
+    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract"), 240, "extraction running", proc)
     sc.box.break_unit()
     proc.wait(timeout=400)
     output = sc.logs[-1].read_text()
@@ -410,7 +410,7 @@ def test_unit_that_fails_to_start_again(scenario):
     sc.wait(lambda: watchdog_log.exists() and "could not be restored; the session is kept" in watchdog_log.read_text(),
             120, "the watchdog to give up")
     session = sc.session()
-    command = f"python -m eagle3flow.ops.service restore --state-dir {sc.box.state_dir}"
+    command = f"python -m eagle3flow.ops.drain.service restore --state-dir {sc.box.state_dir}"
     kept = session is not None and len(session.get("restore_attempts", [])) >= 3
     named = command in output and command in watchdog_log.read_text()
     sc.box.break_unit(False)
@@ -453,7 +453,7 @@ def test_stale_session_after_a_reboot(scenario):
     data = json.loads(owners.read_text())
     data["0.output.lock"].update(boot_id=previous["boot_id"], pid=4242, start_ticks=777)
     owners.write_text(json.dumps(data))
-    status = subprocess.run([sys.executable, "-m", "eagle3flow.ops.service", "status", "--settings-json",
+    status = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "status", "--settings-json",
                              json.dumps(sc.box.settings()), "--state-dir", str(state)], env=sc.box.env,
                             capture_output=True, text=True, timeout=60)
     said = json.JSONDecoder().raw_decode(status.stdout)[0]
@@ -478,7 +478,7 @@ def test_second_snakemake_while_the_first_runs(scenario):
     respected (the second refuses before any job) and the first completes untouched."""
     sc = scenario()
     first = sc.start(*UNTIL, EAGLE3FLOW_TEST_SHARD_DELAY="2")
-    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract.hf"), 240, "extraction running", first)
+    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract"), 240, "extraction running", first)
     locks_before = file_identity((sc.workdir / ".snakemake" / "locks").glob("*.lock"))
     session_before = sc.session()
     second = sc.run(*UNTIL)
@@ -503,7 +503,7 @@ def test_foreign_gpu_process_appears_after_the_drain(scenario):
     fails; it is not killed; the unit comes back once it has gone (the watchdog waits)."""
     sc = scenario()
     proc = sc.start(*UNTIL)
-    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract.hf"), 240, "extraction running", proc)
+    sc.wait(lambda: stage_pids(sc, "eagle3flow.extract"), 240, "extraction running", proc)
     foreign = sc.box.hold_gpu(3, seconds=25)
     proc.wait(timeout=400)
     drain_log = sc.workdir / "logs" / "drain_service_train_draft_all.log"
@@ -531,7 +531,7 @@ def resolved(sc: Scenario, **extra) -> dict:
     tiny config, the schema's defaults)."""
     from snakemake.utils import validate
 
-    from eagle3flow.ops.service import deep_merge
+    from eagle3flow.ops.drain.service import deep_merge
 
     merged = {}
     for path in (sc.workdir / "config.yaml", sc.workdir / "profiles" / "local-8gpu" / "workflow.yaml", sc.config):
@@ -646,7 +646,7 @@ def variant_config(workdir: Path, profile: str, variant: str) -> dict:
         base = yaml.safe_load((workdir / "profiles" / profile / "workflow.yaml").read_text()) or {}
         from snakemake.utils import validate
 
-        from eagle3flow.ops.service import deep_merge
+        from eagle3flow.ops.drain.service import deep_merge
         cfg = deep_merge(deep_merge(yaml.safe_load((workdir / "config.yaml").read_text()), base), extra)
         if profile == "embedded-regenerate":
             cfg = deep_merge(cfg, yaml.safe_load((workdir / "profiles" / "embedded" / "workflow.yaml").read_text()))

@@ -1,4 +1,4 @@
-"""The GPU-environment check (eagle3flow/ops/gpu_env.py) and the two requirement files.
+"""The GPU-environment check (eagle3flow/ops/drain/gpu_env.py) and the two requirement files.
 
 The decisions are checked on the probe's answers as a CPU environment, a CUDA one, a
 box with an old driver, ... give them; the probe itself runs for real in this
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3flow.ops import gpu_env
-from eagle3flow.ops.gpu_env import DriverFacts, Gpu, cpu_problems, cuda_problems
+from eagle3flow.ops.drain import gpu_env
+from eagle3flow.ops.drain.gpu_env import DriverFacts, Gpu, cpu_problems, cuda_problems
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_NVIDIA_SMI = REPO / "tests" / "fixtures" / "service" / "nvidia-smi"

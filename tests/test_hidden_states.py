@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from eagle3flow.extract import extraction, hf as hidden_states, shards
+from eagle3flow.extract import __main__ as extract_cli
 from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
 from eagle3flow.extract.hf import capture, extract
 from eagle3flow.extract.shard_plan import partition_manifest_name
@@ -120,7 +121,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path, random_llama_
 
     out = tmp_path / "killed"
     env = {**os.environ, SHARD_DELAY_ENV: "3", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "eagle3flow.extract.hf", "--dataset", str(dataset),
+    cmd = [sys.executable, "-m", "eagle3flow.extract", "--dataset", str(dataset),
            "--target", str(random_llama_target), "--manifest", str(out / "manifest.json"),
            "--cache-root", str(out / "cache"), "--aux-layer-ids", ",".join(map(str, AUX)),
            "--device", "cpu", "--batch-tokens", "96", "--shard-tokens", "120"]
@@ -401,6 +402,6 @@ def test_target_fingerprint_follows_the_weights_not_the_copy(tmp_path, random_ll
 
 
 def test_backend_auto_resolves_to_hf_without_several_gpus():
-    assert hidden_states.resolve_backend("cpu") == "hf"
+    assert extract_cli.resolve_backend("cpu") == "hf"
     if torch.cuda.device_count() < 2:
-        assert hidden_states.resolve_backend("auto") == "hf"
+        assert extract_cli.resolve_backend("auto") == "hf"

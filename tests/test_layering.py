@@ -19,7 +19,7 @@ PACKAGE = REPO / "eagle3flow"
 # Modules that must run without torch: the workflow's operations and planning run
 # in the service environment (envs/service.yaml, stdlib only) and at parse time.
 TORCH_FREE = ("eagle3flow.ops", "eagle3flow.config", "eagle3flow.atomic", "eagle3flow.jsonl",
-              "eagle3flow.progress", "eagle3flow.layers", "eagle3flow.target.config",
+              "eagle3flow.progress", "eagle3flow.layers", "eagle3flow.procfs", "eagle3flow.target.config",
               "eagle3flow.target.shapes")
 
 # The model is computation only: what it may import from the package.
@@ -72,6 +72,46 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
+def folder(name: str) -> str:
+    """A module's folder in docs/architecture.md's graph: its package path under eagle3flow
+    ("ops/plan"; model/kernels counts as model), or "" for the base (the top-level modules)."""
+    parts = name.split(".")[1:]
+    package = parts if MODULES[name].name == "__init__.py" else parts[:-1]
+    return "model" if package[:1] == ["model"] else "/".join(package)
+
+
+def drawn_folder_graph() -> list[tuple[str, set[str]]]:
+    """docs/architecture.md's ```folders block: (folder, the folders it may import), top down."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("```folders\n", 1)[1].split("```", 1)[0]
+    rows = []
+    for line in block.strip().splitlines():
+        name, _, targets = line.partition("──>")
+        rows.append((name.strip(), {t.strip() for t in targets.split(",") if t.strip()}))
+    return rows
+
+
+def test_folder_graph_is_the_one_the_architecture_draws():
+    actual = defaultdict(set)
+    for name in MODULES:
+        for target, _, line, _ in package_imports(name):
+            if target and folder(target) and folder(target) != folder(name):
+                actual[folder(name)].add(folder(target))
+    rows = drawn_folder_graph()
+    drawn = dict(rows)
+    base_breaches = [f"{name} imports {target}" for name in MODULES if not folder(name)
+                     for target, _, _, _ in package_imports(name) if target and folder(target)]
+    assert not base_breaches, f"the base imports only the base: {base_breaches}"
+    folders = {folder(name) for name in MODULES} - {""}
+    assert folders == set(drawn), f"folders not drawn: {folders - set(drawn)}; drawn, gone: {set(drawn) - folders}"
+    undrawn = {f"{a} -> {b}" for a, targets in actual.items() for b in targets if b not in drawn[a]}
+    stale = {f"{a} -> {b}" for a, targets in drawn.items() for b in targets if b not in actual[a]}
+    assert not undrawn and not stale, f"arrows not drawn: {sorted(undrawn)}; drawn, not imported: {sorted(stale)}"
+    order = [name for name, _ in rows]
+    upward = [f"{a} -> {b}" for a, targets in drawn.items() for b in targets if order.index(b) <= order.index(a)]
+    assert not upward, f"arrows pointing up the list: {upward}"
+
+
 def test_no_import_cycle():
     edges = graph()
     state: dict[str, int] = {}
@@ -121,7 +161,7 @@ def torch_free_modules() -> list[str]:
 
 def test_layering_check_sees_the_torch_free_modules():
     names = torch_free_modules()
-    assert "eagle3flow.ops.plan" in names and "eagle3flow.ops.service" in names, names
+    assert "eagle3flow.ops.plan" in names and "eagle3flow.ops.drain.service" in names, names
 
 
 @pytest.mark.parametrize("name", torch_free_modules())

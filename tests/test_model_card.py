@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from eagle3flow.export.model_card import render
+from eagle3flow.report.model_card import render
 from eagle3flow.export.publish import PublishError, plan
 from support.builders import export_untrained_draft
 

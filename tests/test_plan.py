@@ -1,4 +1,4 @@
-"""The plan and the disk budget (eagle3flow/ops/plan.py, rules/plan.smk).
+"""The plan and the disk budget (eagle3flow/ops/plan/, rules/plan.smk).
 
 Projections are checked against real files: a real extraction by Snakemake on a small
 random target (two runs: the dataset first, so the second plan works from its stats),
@@ -21,7 +21,10 @@ from support.targets import make_chat_target
 from support.workflow import snakemake, snakemake_env, workflow_copy
 
 from eagle3flow.ops import plan as plan_lib
-from eagle3flow.ops import plan_footprint, plan_stages, plan_workload, sizes
+from eagle3flow.ops.plan import footprint as plan_footprint
+from eagle3flow.ops.plan import stages as plan_stages
+from eagle3flow.ops.plan import workload as plan_workload
+from eagle3flow.ops.plan import sizes
 
 STAGE_NAMES = [name for name, *_ in plan_stages.STAGES]
 

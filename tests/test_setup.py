@@ -25,8 +25,9 @@ def checkout(tmp_path) -> Path:
     root = tmp_path / "repo"
     for name in ("scripts", "envs", "profiles"):
         shutil.copytree(REPO / name, root / name)
-    (root / "eagle3flow" / "ops").mkdir(parents=True)
-    shutil.copy2(REPO / "eagle3flow" / "ops" / "gpu_env.py", root / "eagle3flow" / "ops" / "gpu_env.py")
+    gpu_env = Path("eagle3flow", "ops", "drain", "gpu_env.py")
+    (root / gpu_env.parent).mkdir(parents=True)
+    shutil.copy2(REPO / gpu_env, root / gpu_env)
     shutil.copy2(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
 
@@ -72,7 +73,7 @@ def test_gpu_box_gets_the_cuda_requirements(checkout, tmp_path):
     assert ".venv/bin/python -m pip install -q --disable-pip-version-check -r envs/requirements-cuda.txt" in commands
     assert ".venv/bin/python -m pip install -q --no-deps -r envs/requirements-nodeps.txt" in commands
     assert ".venv/bin/python -m pip install -q --no-deps -e ." in commands
-    assert ".venv/bin/python -m eagle3flow.ops.gpu_env check --device cuda --nvidia-smi nvidia-smi" in commands
+    assert ".venv/bin/python -m eagle3flow.ops.drain.gpu_env check --device cuda --nvidia-smi nvidia-smi" in commands
     # vLLM's CUDA build needs the torchvision/torchaudio it pins: they stay
     assert not any("uninstall" in c for c in commands)
     assert not any("requirements-cpu.txt" in c for c in commands)
@@ -89,7 +90,7 @@ def test_machine_without_gpus_gets_the_cpu_requirements_as_before(checkout, tmp_
         ".venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec",
         ".venv/bin/python -m pip install -q --no-deps -r envs/requirements-nodeps.txt",
         ".venv/bin/python -m pip install -q --no-deps -e .",
-        f".venv/bin/python -m eagle3flow.ops.gpu_env check --device cpu --nvidia-smi {tmp_path / 'no-nvidia-smi'}",
+        f".venv/bin/python -m eagle3flow.ops.drain.gpu_env check --device cpu --nvidia-smi {tmp_path / 'no-nvidia-smi'}",
     ], commands
     assert "GPU 0" not in out
 

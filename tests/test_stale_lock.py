@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from support.deadline import deadline
-from eagle3flow.ops.procfs import start_ticks as process_start_ticks
+from eagle3flow.procfs import start_ticks as process_start_ticks
 from eagle3flow.ops.stale_lock import clear_stale_lock
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from eagle3flow.ops import plan as plan_lib
-from eagle3flow.ops.sizes import tree_bytes
+from eagle3flow.ops.plan.sizes import tree_bytes
 from eagle3flow.ops import streaming
 from support.box import FakeBox
 from support.builders import make_hidden_states, make_vocab_map
@@ -295,7 +295,7 @@ def test_drain_stays_down_until_the_last_job_of_alternating_stages(tmp_path):
             assert box.service("drain", "--stage", stage, "--gpus", "8", run_env=run_env).returncode == 0
         for stage in jobs:
             ended = subprocess.run(
-                [sys.executable, "-m", "eagle3flow.ops.service", "stage-ended", "--state-dir", str(box.state_dir),
+                [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
                  "--stage", stage, "--exit-code", "0"], env={**box.env, **run_env}, capture_output=True,
                 text=True, timeout=60)
             assert ended.returncode == 0, ended.stderr

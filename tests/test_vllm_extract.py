@@ -1,7 +1,7 @@
 """The vLLM extraction backend: same tensors as the HF backend, for Llama and DeepSeek-V3.
 
 The slow tests share one module-scoped run: the real CLI (``python -m
-eagle3flow.extract.hf --backend vllm``) on the CPU build of vLLM, once per target
+eagle3flow.extract --backend vllm``) on the CPU build of vLLM, once per target
 (the embedded target's Llama shape, and a tiny DeepSeek-V3: MLA + MoE), both splits
 through one engine each, the two runs in parallel. The HF backend then extracts the
 same datasets in this process and every tensor is compared.
@@ -162,7 +162,7 @@ def test_tiny_deepseek_layouts(tmp_path):
 # ----------------------------------------------------------------------------- slow: vLLM
 
 def _cli(target: Path, work: Path, aux: list[int], backend: str) -> list[str]:
-    return [sys.executable, "-m", "eagle3flow.extract.hf", "--backend", backend,
+    return [sys.executable, "-m", "eagle3flow.extract", "--backend", backend,
             "--target", str(target), "--cache-root", str(work / "cache"),
             "--aux-layer-ids", ",".join(map(str, aux)), *OPTIONS,
             "--split-name", "train", "--dataset", str(work / "train.parquet"),

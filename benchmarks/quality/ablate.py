@@ -49,7 +49,7 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
     manifests = work / "hs"
     splits = {"train": args.train, "eval": args.eval, **dict(args.score)}
     if not all((manifests / f"{name}.json").is_file() for name in splits):
-        command = [sys.executable, "-m", "eagle3flow.extract.hf", "--target", target,
+        command = [sys.executable, "-m", "eagle3flow.extract", "--target", target,
                    "--cache-root", work / "cache", "--device", args.device,
                    "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--max-length", "1024"]
         for name, dataset in splits.items():

@@ -31,7 +31,7 @@ vLLM CPU build specifics handled here: the rotary custom op is turned off (with 
 MLA outputs are silently wrong); no pinned memory or CUDA streams on the CPU; the cache
 group is found by the cache-only layer's name, not by spec type, so MLA targets (whose
 KV cache forms a second group) work. This module imports vLLM only inside functions:
-the extraction CLI (eagle3flow/extract/hf.py) imports it whichever backend runs.
+the extraction CLI (eagle3flow/extract/__main__.py) imports it whichever backend runs.
 """
 from __future__ import annotations
 

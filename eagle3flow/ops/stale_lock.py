@@ -7,7 +7,7 @@ second run redo the first one's in-flight outputs (``rerun-incomplete``). Snakem
 lock files hold file lists, no owner, so the workflow records one:
 
 * onstart (after Snakemake took its locks) writes, for each of this run's lock files,
-  the identity of the Snakemake main process (eagle3flow/ops/procfs.py: host, boot id, pid
+  the identity of the Snakemake main process (eagle3flow/procfs.py: host, boot id, pid
   namespace, pid and start time, user), the run's token ($EAGLE3FLOW_RUN, which its
   jobs carry), whether its jobs run on this host, and the lock file's own identity
   (inode, mtime, size) to ``.snakemake/eagle3flow/lock-owners.json``;
@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_text
-from eagle3flow.ops.drain_state import RUN_ENV, wrapper_gone
-from eagle3flow.ops.procfs import ancestor_chain, cmdline, cwd, identity, pids, pids_with_env, verdict
+from eagle3flow.ops.drain.state import RUN_ENV, wrapper_gone
+from eagle3flow.procfs import ancestor_chain, cmdline, cwd, identity, pids, pids_with_env, verdict
 
 # A rerun right after a SIGKILL of the whole run finds the GPU stages still exiting (their
-# wrapper died; they got SIGTERM from it: eagle3flow/ops/gpu_stage.py): wait this long for them.
+# wrapper died; they got SIGTERM from it: eagle3flow/ops/drain/gpu_stage.py): wait this long for them.
 DYING_GRACE_S = 30.0
 
 OWNERS = Path(".snakemake") / "eagle3flow" / "lock-owners.json"

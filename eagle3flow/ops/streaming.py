@@ -14,7 +14,7 @@ partition: only the deleted shards are recomputed, the cache fingerprint is the
 same). Training link j starts from link j-1's final checkpoint (``train.py
 --init-from``) with the LR schedule of the whole chain (``--schedule-tokens``). The
 extraction of link j waits for ``consumed-(j-F).json``, F = the partitions the budget
-holds at once ("in flight", eagle3flow/ops/plan.py derives it), so it runs ahead of
+holds at once ("in flight", eagle3flow/ops/plan/ derives it), so it runs ahead of
 training by at most F-1 links; on one box extraction and training alternate.
 
 Consuming link j (``python -m eagle3flow.ops.streaming train-link``), idempotent so that a

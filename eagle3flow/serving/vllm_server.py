@@ -18,7 +18,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3flow.ops.procfs import signal_on_parent_death
+from eagle3flow.procfs import signal_on_parent_death
 
 SERVED_NAME = "builtin-target"
 

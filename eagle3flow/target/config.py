@@ -6,7 +6,7 @@ map and the plan all describe that language model. So its ``text_config`` keys w
 and the outer config fills only what the text config lacks of its dtype and tied
 embeddings, never the keys that name the wrapper itself (its class, its model type,
 its other towers). A plain causal LM's config is its own text config. No torch: the
-planner (eagle3flow/ops/plan.py) reads it too.
+planner (eagle3flow/ops/plan/) reads it too.
 """
 from __future__ import annotations
 

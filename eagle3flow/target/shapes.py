@@ -1,6 +1,6 @@
 """The built-in targets' shapes, known before they are built.
 
-The plan (eagle3flow/ops/plan.py) and the config-time checks (the aux layer ids) need a
+The plan (eagle3flow/ops/plan/) and the config-time checks (the aux layer ids) need a
 target's depth, width and vocabulary when the workflow is read, before the build
 rule (eagle3flow/embedded/build.py, eagle3flow/target/pretrained.py) has written its
 ``config.json``. No torch, no package import: the values of the config that build writes.

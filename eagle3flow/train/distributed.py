@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3flow.device import resolve_device
-from eagle3flow.ops.procfs import signal_on_parent_death
+from eagle3flow.procfs import signal_on_parent_death
 
 # Rank 0 evaluates the eval split at checkpoints while the others wait at the next
 # collective: the default 10-minute NCCL timeout would be too short for a large split.

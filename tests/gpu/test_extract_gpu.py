@@ -1,6 +1,6 @@
 """vLLM extraction on CUDA equals the HF backend on CUDA, per target and dtype.
 
-The real CLI (``python -m eagle3flow.extract.hf --backend vllm``: the engine, this
+The real CLI (``python -m eagle3flow.extract --backend vllm``: the engine, this
 project's KV connector, the shard writer) on a random Llama of the embedded target's
 shape and on a tiny DeepSeek-V3 (MLA + MoE), then the HF backend on the same data in
 the same dtype; every sample compared layer by layer. One engine at a time: each takes
@@ -58,7 +58,7 @@ def run_vllm_cli(work: Path, name: str) -> tuple[Path, float, str]:
     target, dtype, storage = RUNS[name]
     aux = LLAMA_AUX if target == "llama" else DEEPSEEK_AUX
     out = work / name
-    cmd = [sys.executable, "-m", "eagle3flow.extract.hf", "--backend", "vllm",
+    cmd = [sys.executable, "-m", "eagle3flow.extract", "--backend", "vllm",
            "--target", str(work / target / "target"), "--cache-root", str(work / "cache"),
            "--aux-layer-ids", ",".join(map(str, aux)), "--device", "cuda", "--dtype", dtype,
            "--storage-dtype", storage, "--batch-tokens", "96", "--shard-tokens", "120",

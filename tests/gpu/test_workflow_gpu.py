@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.ops.gpu_env import vllm_range_problem
+from eagle3flow.ops.drain.gpu_env import vllm_range_problem
 from support.workflow import finished_job_seconds, place_embedded, workflow_copy
 
 

@@ -26,7 +26,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "service"
 UNIT = "fake-vllm.service"
 NUM_GPUS = 8
 # The workflow's stage programs that hold the fake GPUs they see (fixtures/service/nvidia-smi).
-GPU_PROGRAMS = "eagle3flow.extract.hf:eagle3flow.train.trainer:eagle3flow.eval.evaluate"
+GPU_PROGRAMS = "eagle3flow.extract:eagle3flow.train.trainer:eagle3flow.eval.evaluate"
 
 
 class FakeBox:
@@ -64,7 +64,7 @@ class FakeBox:
         return subprocess.run([str(FIXTURES / "systemctl"), *args], env=self.env, capture_output=True, text=True)
 
     def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "eagle3flow.ops.service", *args,
+        return subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", *args,
                                "--settings-json", json.dumps(self.settings(**overrides)),
                                "--state-dir", str(self.state_dir)],
                               env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
@@ -72,7 +72,7 @@ class FakeBox:
     def live_run(self, stages: list[str]) -> dict:
         """A live process standing for this run's Snakemake main process, with the plan
         onstart writes for it; returns the environment its jobs get (its run token)."""
-        from eagle3flow.ops.drain_state import write_plan
+        from eagle3flow.ops.drain.state import write_plan
 
         run = subprocess.Popen(["sleep", "300"])
         self.others.append(run)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3flow.ops.plan_throughput import benchmark_seconds
+from eagle3flow.ops.plan.throughput import benchmark_seconds
 
 REPO = Path(__file__).resolve().parent.parent.parent
 WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "schemas", "profiles", "envs", "report"]
@@ -98,7 +98,7 @@ def place_embedded(build: Path, workdir: Path) -> None:
 # `make demo` runs the profile at its full size; what the run does is the same.
 EMBEDDED_CI_SIZES = {
     "dataset": {"max_samples": 1200},
-    "extract": {"shard_tokens": 1024},
+    "extract": {"shard_tokens": 4096},
     "train": {"epochs": 1, "batch_tokens": 1024, "checkpoint_every": 3, "log_every": 3},
     "evaluate": {"num_prompts": 32},
     "storage": {"sample_interval_s": 0.2},

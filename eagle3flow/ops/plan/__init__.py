@@ -5,13 +5,13 @@ Everything here is cheap (no torch, no model): it runs at the top of every workf
 run, before any job, from ``rules/plan.smk``. This module is the entry (the CLI, and
 what the rules call when the workflow is read); the pieces live beside it:
 
-* ``plan_stages``: the stages, their paths, :class:`Plan` and :class:`StageRow`;
-* ``plan_workload``: the target's config, tokens and samples per split, regeneration;
-* ``plan_footprint``: bytes per token of hidden states, the draft's parameters and
+* ``stages``: the stages, their paths, :class:`Plan` and :class:`StageRow`;
+* ``workload``: the target's config, tokens and samples per split, regeneration;
+* ``footprint``: bytes per token of hidden states, the draft's parameters and
   checkpoint bytes, the target's parameters;
-* ``plan_throughput``: extraction backend, measured and recorded throughputs;
-* ``plan_project``: the projection per stage, with streaming partitions when needed;
-* ``plan_budget``: the storage budget's verdict; ``plan_table``: the text table;
+* ``throughput``: extraction backend, measured and recorded throughputs;
+* ``project``: the projection per stage, with streaming partitions when needed;
+* ``budget``: the storage budget's verdict; ``table``: the text table;
 * ``sizes``: bytes of a tree, free space, sizes as text; ``disk_sampler``: the peak.
 
 Disk, per stage, from the dataset stats when ``results/dataset/stats.json`` exists,
@@ -59,13 +59,13 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 # rules/*.smk reach the planner through this module (`plan_lib`): besides what it uses
 # itself, it names what they call when the workflow is read and after the run.
-from eagle3flow.ops.disk_sampler import read_peak, sample_disk, start_sampler
-from eagle3flow.ops.plan_project import project
-from eagle3flow.ops.plan_stages import Plan
-from eagle3flow.ops.plan_table import render
-from eagle3flow.ops.plan_throughput import attach_actuals, extract_backend, record_throughputs
-from eagle3flow.ops.plan_workload import target_config
-from eagle3flow.ops.sizes import parse_bytes
+from eagle3flow.ops.plan.disk_sampler import read_peak, sample_disk, start_sampler
+from eagle3flow.ops.plan.project import project
+from eagle3flow.ops.plan.stages import Plan
+from eagle3flow.ops.plan.table import render
+from eagle3flow.ops.plan.throughput import attach_actuals, extract_backend, record_throughputs
+from eagle3flow.ops.plan.workload import target_config
+from eagle3flow.ops.plan.sizes import parse_bytes
 from eagle3flow.ops.streaming import Chain
 
 __all__ = ["PLAN_CONFIG_ENV", "attach_actuals", "extract_backend", "main", "parse_job_stats", "plan_when_read",
@@ -189,6 +189,3 @@ def main(argv=None) -> int:
         print(output, file=sys.stderr)
     return rc
 
-
-if __name__ == "__main__":
-    sys.exit(main())

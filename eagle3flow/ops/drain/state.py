@@ -9,7 +9,7 @@ state instead of reused), ``plan.json`` (the run and the drained stages it will 
 Runs are told apart by a token: onstart sets ``$EAGLE3FLOW_RUN`` in Snakemake's
 environment (the run id of ``plan.json``), so every job of the run and everything it
 starts (torchrun ranks, vLLM engine processes) carries it, through reparenting and
-setsid; the stage wrapper (eagle3flow/ops/gpu_stage.py) adds ``$EAGLE3FLOW_JOB`` (itself).
+setsid; the stage wrapper (eagle3flow/ops/drain/gpu_stage.py) adds ``$EAGLE3FLOW_JOB`` (itself).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_text
 from eagle3flow.config import schema_defaults
-from eagle3flow.ops.procfs import boot_id, environ, pid_namespace, pids_with_env, running, start_ticks, verdict
+from eagle3flow.procfs import boot_id, environ, pid_namespace, pids_with_env, running, start_ticks, verdict
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
 DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
@@ -34,7 +34,7 @@ DRAINED_STAGES = ("extract_hidden_states", "train_draft", "evaluate_draft",
                   "extract_partition", "train_partition", "train_partition_last")
 
 # The run token every job of a run inherits (set by onstart), and the GPU stage wrapper
-# ("<pid>:<start ticks>") a stage's processes belong to (set by eagle3flow/ops/gpu_stage.py).
+# ("<pid>:<start ticks>") a stage's processes belong to (set by eagle3flow/ops/drain/gpu_stage.py).
 RUN_ENV = "EAGLE3FLOW_RUN"
 JOB_ENV = "EAGLE3FLOW_JOB"
 
@@ -68,7 +68,7 @@ def iso_time(epoch: float | None) -> str | None:
 
 def restore_command(state: "State") -> str:
     """The operator's command that restores the unit of this state directory."""
-    return f"python -m eagle3flow.ops.service restore --state-dir {state.dir}"
+    return f"python -m eagle3flow.ops.drain.service restore --state-dir {state.dir}"
 
 
 # --- state files ---------------------------------------------------------------------

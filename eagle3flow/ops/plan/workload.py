@@ -8,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from eagle3flow.ops.plan_stages import layout
-from eagle3flow.ops.sizes import format_bytes, tree_bytes
+from eagle3flow.ops.plan.stages import layout
+from eagle3flow.ops.plan.sizes import format_bytes, tree_bytes
 from eagle3flow.ops.streaming import read_json
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.shapes import SHAPES

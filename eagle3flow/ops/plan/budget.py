@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from eagle3flow.ops.plan_footprint import DTYPE_BYTES, hidden_state_bytes_per_token
-from eagle3flow.ops.plan_stages import Plan, layout
-from eagle3flow.ops.sizes import format_bytes, free_bytes, parse_bytes
+from eagle3flow.ops.plan.footprint import DTYPE_BYTES, hidden_state_bytes_per_token
+from eagle3flow.ops.plan.stages import Plan, layout
+from eagle3flow.ops.plan.sizes import format_bytes, free_bytes, parse_bytes
 
 
 def budget_refusal(plan: Plan, config: dict, root: Path) -> str | None:

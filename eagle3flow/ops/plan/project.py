@@ -10,17 +10,17 @@ import os
 from pathlib import Path
 
 from eagle3flow.ops import streaming
-from eagle3flow.ops.plan_budget import allowed_peak, budget_refusal
-from eagle3flow.ops.plan_footprint import (aux_layer_count, draft_checkpoint_bytes, draft_param_counts,
+from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
+from eagle3flow.ops.plan.footprint import (aux_layer_count, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
-from eagle3flow.ops.plan_stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
+from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
                                         stage_outputs_exist)
-from eagle3flow.ops.plan_throughput import (extract_backend, extract_devices, measured_throughputs,
+from eagle3flow.ops.plan.throughput import (extract_backend, extract_devices, measured_throughputs,
                                             profile_key, recorded_throughputs)
-from eagle3flow.ops.plan_workload import (EMBEDDED_BUILD_S_PER_STEP, EMBEDDED_JSONL_BYTES_PER_TOKEN,
+from eagle3flow.ops.plan.workload import (EMBEDDED_BUILD_S_PER_STEP, EMBEDDED_JSONL_BYTES_PER_TOKEN,
                                           EMBEDDED_TOKENS_PER_CONVERSATION, PARQUET_BYTES_PER_TOKEN,
                                           serving_rate, target_config, workload)
-from eagle3flow.ops.sizes import newest_subdirs_bytes, tree_bytes
+from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 
 # Effective FLOP/s when nothing is measured: CPU from the embedded default's extraction
 # (2 x 4.7M params x 2,900 tokens/s) and training (6 x 0.76M x 7 x 1,500 tokens/s);

@@ -10,7 +10,7 @@ as trained (eagle3flow/export/sglang_contract.py).
 
 CLI::
 
-    python -m eagle3flow.export.model_card --draft results/draft --eval-summary results/eval/summary.json \\
+    python -m eagle3flow.report.model_card --draft results/draft --eval-summary results/eval/summary.json \\
         --vocab-stats results/vocab/stats.json --dataset-stats results/dataset/stats.json \\
         --train-eval results/train/eval.json --base-model NAME --out results/draft/README.md
 """
@@ -143,7 +143,7 @@ def base_model_name(target: str, configured: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3flow.export.model_card", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.report.model_card", description=__doc__.split("\n")[0])
     parser.add_argument("--draft", required=True, type=Path)
     parser.add_argument("--eval-summary", type=Path)
     parser.add_argument("--vocab-stats", required=True, type=Path)

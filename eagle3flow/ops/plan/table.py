@@ -2,8 +2,8 @@
 columns, after the run)."""
 from __future__ import annotations
 
-from eagle3flow.ops.plan_stages import Plan
-from eagle3flow.ops.sizes import format_bytes
+from eagle3flow.ops.plan.stages import Plan
+from eagle3flow.ops.plan.sizes import format_bytes
 
 
 def format_seconds(s: float | None) -> str:

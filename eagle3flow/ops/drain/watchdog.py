@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import time
 
-from eagle3flow.ops.drain_cycle import restore
-from eagle3flow.ops.drain_gpus import describe_holders, gpus_busy, kill_only
-from eagle3flow.ops.drain_state import (ServiceError, State, iso_time, log, restore_command, run_pids,
+from eagle3flow.ops.drain.cycle import restore
+from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, kill_only
+from eagle3flow.ops.drain.state import (ServiceError, State, iso_time, log, restore_command, run_pids,
                                         wrapper_gone)
-from eagle3flow.ops.gpu_holders import describe_process, gpu_memory_used
-from eagle3flow.ops.procfs import running
-from eagle3flow.ops.systemd_unit import unit_pids
+from eagle3flow.ops.drain.gpu_holders import describe_process, gpu_memory_used
+from eagle3flow.procfs import running
+from eagle3flow.ops.drain.systemd_unit import unit_pids
 
 def watchdog(settings: dict, state_dir: str, pid: int, pid_start: int | None, run_id: str | None = None) -> int:
     """Detached: once Snakemake `pid` dies with the unit drained, wait until every job of

@@ -3,7 +3,7 @@ last one (or its failure), and reconcile the session a dead run left.
 
 * ``drain`` checks that nobody outside the unit (and outside this run's own jobs) holds
   the stage's GPUs, stops the unit, waits until its cgroup is empty and the GPUs'
-  memory is released, and starts the detached watchdog (eagle3flow/ops/watchdog.py).
+  memory is released, and starts the detached watchdog (eagle3flow/ops/drain/watchdog.py).
   When the unit is already drained by this same live run, it only registers the stage.
 * ``stage_ended`` restores the unit when the stage failed or when no other drained
   stage of this run is still to come (the plan ``write_plan`` records at the run's start).
@@ -22,12 +22,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eagle3flow.ops.drain_gpus import describe_holders, gpus_busy, handle_foreign, of_runs, wait_until
-from eagle3flow.ops.drain_state import (ACTIVE_STATES, JOB_ENV, RUN_ENV, ServiceError, State, iso_time,
+from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, handle_foreign, of_runs, wait_until
+from eagle3flow.ops.drain.state import (ACTIVE_STATES, JOB_ENV, RUN_ENV, ServiceError, State, iso_time,
                                         log, restore_command, run_record, session_verdict, this_run)
-from eagle3flow.ops.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
-from eagle3flow.ops.procfs import boot_id, boot_time, pid_namespace, verdict
-from eagle3flow.ops.systemd_unit import require_unit, systemctl, unit_healthy, unit_pids, unit_properties
+from eagle3flow.ops.drain.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
+from eagle3flow.procfs import boot_id, boot_time, pid_namespace, verdict
+from eagle3flow.ops.drain.systemd_unit import require_unit, systemctl, unit_healthy, unit_pids, unit_properties
 
 # --- a session of a dead run -----------------------------------------------------------
 
@@ -73,7 +73,7 @@ def _start_watchdog(settings: dict, state: State, run: dict | None) -> int | Non
         # setsid: the watchdog survives the run's process group being killed. It carries no
         # run token: it waits for the processes that do.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eagle3flow.ops.service", "watchdog", "--state-dir", str(state.dir),
+            [sys.executable, "-m", "eagle3flow.ops.drain.service", "watchdog", "--state-dir", str(state.dir),
              "--settings-json", json.dumps(settings), "--pid", str(run["snakemake_pid"]),
              "--pid-start", str(run.get("snakemake_start")), "--run-id", str(run["run_id"])],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -17,11 +17,11 @@ The probe asks only what needs no CUDA context (device counts, build flags; the
 capabilities come from nvidia-smi): it runs while the production unit still holds
 every GPU.
 
-Stdlib only, and runnable as a file (``python3 eagle3flow/ops/gpu_env.py preflight``) so
+Stdlib only, and runnable as a file (``python3 eagle3flow/ops/drain/gpu_env.py preflight``) so
 that scripts/setup.sh can ask before the environment exists.
 
-    python -m eagle3flow.ops.gpu_env check --device cuda [--gpus N]   # after set-up
-    python3 eagle3flow/ops/gpu_env.py preflight                        # before set-up
+    python -m eagle3flow.ops.drain.gpu_env check --device cuda [--gpus N]   # after set-up
+    python3 eagle3flow/ops/drain/gpu_env.py preflight                        # before set-up
 """
 from __future__ import annotations
 
@@ -334,7 +334,7 @@ def describe(env: dict, driver: DriverFacts) -> str:
 
 
 def drain_refusal(gpus: int, nvidia_smi: str = "nvidia-smi", python: str | None = None) -> str | None:
-    """For the drain (eagle3flow/ops/service.py), before systemctl: the refusal message when the
+    """For the drain (eagle3flow/ops/drain/service.py), before systemctl: the refusal message when the
     stages' environment cannot use `gpus` GPUs, None when it can.
 
     The drain job runs `python` from the PATH the GPU stages get (no software-deployment
@@ -393,7 +393,7 @@ def preflight(nvidia_smi: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.gpu_env", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.drain.gpu_env", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("probe", help="(internal) print what this interpreter's torch and vLLM can do, as JSON")

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.ops.plan_footprint import uses_gpu
-from eagle3flow.ops.plan_stages import STAGES, Plan, layout, measure
-from eagle3flow.ops.plan_workload import workload
+from eagle3flow.ops.plan.footprint import uses_gpu
+from eagle3flow.ops.plan.stages import STAGES, Plan, layout, measure
+from eagle3flow.ops.plan.workload import workload
 
 def extract_backend(config: dict) -> str:
     """The extraction backend that will run: extract.backend, with auto resolved as the job
-    does (eagle3flow/extract/hf.py resolve_backend): vllm where the node has several GPUs."""
+    does (eagle3flow/extract/__main__.py resolve_backend): vllm where the node has several GPUs."""
     ext = config["extract"]
     backend = ext.get("backend") or "auto"
     if backend == "auto":

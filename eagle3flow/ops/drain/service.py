@@ -10,7 +10,7 @@ One drain/restore *cycle* per run (docs/service.md):
   serialized by Snakemake's ``gpus`` resource; a sibling GPU job may hold the GPUs).
   Foreign GPU processes are never killed unless ``drain.kill_foreign_gpu_processes``
   is set, and then only they are: never a process carrying a run's token.
-* ``stage-ended`` (called by the GPU stage wrapper, eagle3flow/ops/gpu_stage.py, with the
+* ``stage-ended`` (called by the GPU stage wrapper, eagle3flow/ops/drain/gpu_stage.py, with the
   stage's real exit status) restores the unit when the stage failed or when no other
   drained stage of this run is still to come (the plan ``write_plan`` records at the
   run's start).
@@ -21,10 +21,10 @@ One drain/restore *cycle* per run (docs/service.md):
   operator retries) and names the command to run. It is idempotent.
 * ``watchdog`` (started by the drain) and ``status`` (what the state and the unit say).
 
-Where each part lives: eagle3flow/ops/drain_state.py (settings, state files in
+Where each part lives: eagle3flow/ops/drain/state.py (settings, state files in
 ``<results>/service/``, the runs and their token ``$EAGLE3FLOW_RUN``),
-systemd_unit.py (systemctl), drain_gpus.py (GPU holders, foreign or ours),
-drain_cycle.py (drain, restore, stage_ended), watchdog.py.
+systemd_unit.py (systemctl), gpus.py (GPU holders, foreign or ours),
+cycle.py (drain, restore, stage_ended), watchdog.py.
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ from pathlib import Path
 
 import yaml
 
-from eagle3flow.ops.drain_cycle import drain, restore, stage_ended
-from eagle3flow.ops.drain_state import (ACTIVE_STATES, DEFAULTS, ServiceError, State, format_downtime,
+from eagle3flow.ops.drain.cycle import drain, restore, stage_ended
+from eagle3flow.ops.drain.state import (ACTIVE_STATES, DEFAULTS, ServiceError, State, format_downtime,
                                         iso_time, restore_command, session_verdict, settings_of)
-from eagle3flow.ops.gpu_env import drain_refusal
-from eagle3flow.ops.gpu_holders import GpuQueryError, gpu_memory_used
-from eagle3flow.ops.systemd_unit import unit_properties
-from eagle3flow.ops.watchdog import watchdog
+from eagle3flow.ops.drain.gpu_env import drain_refusal
+from eagle3flow.ops.drain.gpu_holders import GpuQueryError, gpu_memory_used
+from eagle3flow.ops.drain.systemd_unit import unit_properties
+from eagle3flow.ops.drain.watchdog import watchdog
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -91,7 +91,7 @@ def status(settings: dict, state_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.service", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.drain.service", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("drain", "restore", "stage-ended", "watchdog", "status"):
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             state_dir = args.state_dir
             session = State(state_dir).read(State(state_dir).session)
             if session is None and args.command == "restore":
-                print(f"eagle3flow.ops.service restore: no open session in {state_dir}: nothing to restore "
+                print(f"eagle3flow.ops.drain.service restore: no open session in {state_dir}: nothing to restore "
                       "(pass --config to make sure the unit runs)", file=sys.stderr)
                 return 0
             settings = settings_of(session["settings"]) if session else dict(DEFAULTS)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ServiceError(refusal)
             drain(settings, state_dir, args.stage, gpus, args.flag)
         elif args.command == "restore":
-            record = restore(settings, state_dir, reason="manual (python -m eagle3flow.ops.service restore)")
+            record = restore(settings, state_dir, reason="manual (python -m eagle3flow.ops.drain.service restore)")
             if record:
                 print(format_downtime([record]))
         elif args.command == "stage-ended":
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(status(settings, state_dir), indent=1))
             print(format_downtime(State(state_dir).downtime_records()))
     except (ServiceError, GpuQueryError) as error:
-        print(f"eagle3flow.ops.service {args.command}: {error}", file=sys.stderr)
+        print(f"eagle3flow.ops.drain.service {args.command}: {error}", file=sys.stderr)
         return 1
     return 0
 

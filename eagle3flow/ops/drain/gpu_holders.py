@@ -1,6 +1,6 @@
 """Who holds which GPU: nvidia-smi's compute apps, with each process's user and command.
 
-The drain (eagle3flow/ops/drain_cycle.py) needs two answers before a GPU stage may load a
+The drain (eagle3flow/ops/drain/cycle.py) needs two answers before a GPU stage may load a
 model: is any process still using the GPUs the stage will use, and is the GPU
 memory back to idle. nvidia-smi is asked in its stable CSV query format, the same
 on every driver since 2015, so no NVML binding is needed in the environment.
@@ -11,7 +11,7 @@ import pwd
 import subprocess
 from dataclasses import dataclass
 
-from eagle3flow.ops.procfs import cmdline, owner_uid
+from eagle3flow.procfs import cmdline, owner_uid
 
 
 class GpuQueryError(RuntimeError):

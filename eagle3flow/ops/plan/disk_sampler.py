@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.ops.procfs import is_zombie
-from eagle3flow.ops.sizes import tree_bytes
+from eagle3flow.procfs import is_zombie
+from eagle3flow.ops.plan.sizes import tree_bytes
 
 
 def sample_disk(paths: list[str], out: Path, pid: int, interval: float = 1.0) -> int:

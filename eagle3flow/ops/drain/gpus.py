@@ -2,7 +2,7 @@
 killing exactly the foreign ones when the config allows it.
 
 A holder is ours when it is in the unit's cgroup, is this process, or carries the token
-of one of our runs (``$EAGLE3FLOW_RUN``, eagle3flow/ops/drain_state.py); every other one
+of one of our runs (``$EAGLE3FLOW_RUN``, eagle3flow/ops/drain/state.py); every other one
 is foreign and is never killed unless ``drain.kill_foreign_gpu_processes`` is set.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import signal
 import time
 
-from eagle3flow.ops.drain_state import RUN_ENV, ServiceError, log
-from eagle3flow.ops.gpu_holders import describe_process, gpu_memory_used, gpu_processes
-from eagle3flow.ops.procfs import environ, running, start_ticks
-from eagle3flow.ops.systemd_unit import unit_pids
+from eagle3flow.ops.drain.state import RUN_ENV, ServiceError, log
+from eagle3flow.ops.drain.gpu_holders import describe_process, gpu_memory_used, gpu_processes
+from eagle3flow.procfs import environ, running, start_ticks
+from eagle3flow.ops.drain.systemd_unit import unit_pids
 
 def of_runs(pid: int, run_ids) -> bool:
     """Whether process ``pid`` carries one of these run tokens (a job of those runs)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3flow.ops.sizes import tree_bytes
+from eagle3flow.ops.plan.sizes import tree_bytes
 
 # Stages in workflow order: rules (prefixes of rule names), GPU or not, the paths
 # (relative to results/ or cache/) whose bytes belong to it.

@@ -1,7 +1,7 @@
 """The one command of every GPU rule: run the stage, record its real status, release the drain.
 
-    python -m eagle3flow.ops.gpu_stage --stage extract_hidden_states --gpus 8 \\
-        [--drain --state-dir results/service] --log logs/x.log -- python -m eagle3flow.extract.hf ...
+    python -m eagle3flow.ops.drain.gpu_stage --stage extract_hidden_states --gpus 8 \\
+        [--drain --state-dir results/service] --log logs/x.log -- python -m eagle3flow.extract ...
 
 * The stage sees GPUs 0..N-1 numbered as nvidia-smi numbers them
   (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, ``CUDA_VISIBLE_DEVICES=0..N-1``: the ones the drain
@@ -18,7 +18,7 @@
   SIGHUP are forwarded to the stage's whole group; the wrapper waits until every
   process of that group has exited (the GPUs are then the driver's again).
 * Its status is the child's real one (killed by signal n: 128 + n), handed to
-  eagle3flow.ops.drain_cycle.stage_ended (which restores the unit after a failure or the run's
+  eagle3flow.ops.drain.cycle.stage_ended (which restores the unit after a failure or the run's
   last GPU stage) and returned as this job's exit status. A failed restore is reported
   loudly but never changes the job's status: the stage's outputs stay valid, and the
   kept session makes onsuccess/onerror, the watchdog or the operator retry.
@@ -35,10 +35,10 @@ import sys
 import threading
 import time
 
-from eagle3flow.ops.drain_cycle import stage_ended
-from eagle3flow.ops.drain_state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command,
+from eagle3flow.ops.drain.cycle import stage_ended
+from eagle3flow.ops.drain.state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command,
                                         session_verdict, settings_of)
-from eagle3flow.ops.procfs import live_group_members, signal_on_parent_death, start_ticks
+from eagle3flow.procfs import live_group_members, signal_on_parent_death, start_ticks
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long the stage's group may take to exit after its main process did (or after a
@@ -198,7 +198,7 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
     for sig in FORWARDED:
         signal.signal(sig, forward)
     try:
-        child = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.gpu_stage", "--guard", "--", *command], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--guard", "--", *command], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     except OSError as error:
         say(f"{stage}: cannot start {command[0]}: {error}")
@@ -251,12 +251,12 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("python -m eagle3flow.ops.gpu_stage: give the stage's command after --", file=sys.stderr)
+        print("python -m eagle3flow.ops.drain.gpu_stage: give the stage's command after --", file=sys.stderr)
         return 2
     split = argv.index("--")
     if argv[:split] == ["--guard"]:
         return guard(argv[split + 1:])
-    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.gpu_stage",
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.drain.gpu_stage",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--stage", required=True, help="the rule (a drained stage: DRAINED_STAGES)")
     parser.add_argument("--gpus", type=int, default=0, help="the stage uses GPUs 0..N-1 (0: none)")

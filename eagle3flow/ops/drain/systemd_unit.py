@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle3flow.ops.drain_state import JOB_ENV, RUN_ENV, ServiceError
-from eagle3flow.ops.procfs import descendants
+from eagle3flow.ops.drain.state import JOB_ENV, RUN_ENV, ServiceError
+from eagle3flow.procfs import descendants
 
 def systemctl(settings: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     command = [*settings["systemctl"], *args]
