@@ -49,11 +49,13 @@ def test_every_stage_takes_its_defaults_from_the_schema():
 
 def test_command_line_strings_are_typed_as_the_schema_says():
     spec = schema()
-    given = {"train": {"epochs": "5", "lr": "0.002", "freeze_lm_head": "true", "nproc": "null",
+    given = {"train": {"epochs": "5", "lr": "0.002", "nproc": "null",
                        "report_to": ["tensorboard"], "optimizer": "muon", "draft": {"architecture": "mla"}},
-             "dataset": {"path": "123", "max_samples": "10"}, "hub": {"dry_run": "True"}}
+             "dataset": {"path": "123", "max_samples": "10"}, "hub": {"dry_run": "True"},
+             "evaluate": {"ignore_eos": "true"}}
     typed = coerce_to_schema(given, spec)
-    assert typed["train"] == {"epochs": 5, "lr": 0.002, "freeze_lm_head": True, "nproc": None,
+    assert typed["evaluate"] == {"ignore_eos": True}
+    assert typed["train"] == {"epochs": 5, "lr": 0.002, "nproc": None,
                               "report_to": ["tensorboard"], "optimizer": "muon", "draft": {"architecture": "mla"}}
     # a string the schema allows stays a string, even when it reads as a number
     assert typed["dataset"] == {"path": "123", "max_samples": 10} and typed["hub"] == {"dry_run": True}
@@ -150,3 +152,15 @@ def test_evaluate_settings_resolve_prompt_sets_parallelism_and_replay_k():
     pinned = workflow_config(evaluate={"tensor_parallel_size": 2, "replay_max_k": 3})
     settings = config_lib.evaluate_settings(pinned, gpus=8)
     assert (settings["tensor_parallel_size"], settings["replay_max_k"]) == (2, 3)
+
+
+def test_config_yaml_holds_only_what_a_user_sets():
+    """config.yaml repeats no schema default: a key there either changes its default or is
+    a path the user fills in (null until then)."""
+    from pathlib import Path
+
+    placeholders = {("target", "path"), ("dataset", "path")}
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    repeated = [f"{section}.{key}" for section, values in config.items() for key, value in values.items()
+                if (section, key) not in placeholders and schema_defaults(section).get(key) == value]
+    assert not repeated, f"config.yaml repeats the schema's defaults of {repeated}"

@@ -40,26 +40,36 @@ def resolved_config(**sections) -> dict:
 
 # ---------------------------------------------------------------- sizes of real artifacts
 
-def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_target):
-    """The plan's draft size is the real Eagle3Draft's, and a real AdamW checkpoint is 12 B/param."""
+def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_target, tmp_path):
+    """The plan's draft size is the real Eagle3Draft's, Llama and MLA, and a real AdamW
+    checkpoint is 12 B/param."""
     import io
 
     import torch
 
     from eagle3flow.model.config import DraftConfig
     from eagle3flow.model.draft import Eagle3Draft
+    from eagle3flow.train.optim import build_optimizers, uses_muon
+
+    from support.tiny_targets import make_tiny_deepseek_v3
 
     target = json.loads((random_llama_target / "config.json").read_text())
-    for overrides, draft_vocab in (({}, 128), ({"intermediate_size": 96}, 300)):
-        cfg = DraftConfig.from_target_config(target, [2, 4, 5], draft_vocab, overrides)
+    mla_target = json.loads((make_tiny_deepseek_v3(tmp_path / "mla") / "config.json").read_text())
+    plain_query_mla = {**mla_target, "q_lora_rank": None}
+    for config, overrides, draft_vocab in ((target, {}, 128), (target, {"intermediate_size": 96}, 300),
+                                           (target, {"norm_before_fc": False}, 128), (mla_target, {}, 200),
+                                           (mla_target, {"intermediate_size": 96}, 200), (plain_query_mla, {}, 200)):
+        cfg = DraftConfig.from_target_config(config, [1, 2, 3], draft_vocab, overrides)
         model = Eagle3Draft(cfg)
-        trainable = [p for n, p in model.named_parameters() if p.requires_grad]
-        real = sum(p.numel() for p in trainable)
-        assert plan_footprint.draft_trainable_params(target, 3, draft_vocab, overrides) == real
+        counts = plan_footprint.draft_param_counts(config, [1, 2, 3], draft_vocab, overrides)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        matrices = sum(p.numel() for n, p in named if uses_muon(n, p))
+        assert counts == {"matrices": matrices, "rest": sum(p.numel() for _, p in named) - matrices}, \
+            (cfg.architecture, overrides)
+    model = Eagle3Draft(DraftConfig.from_target_config(target, [2, 4, 5], 300, {"intermediate_size": 96}))
 
     # What train.py checkpoints: trainable weights and the optimizer state after a step,
     # for each optimizer it builds.
-    from eagle3flow.train.optim import build_optimizers
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for name in ("adamw", "muon"):
@@ -71,7 +81,7 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
         optimizer.step()
         buffer = io.BytesIO()
         torch.save({"model": {n: p.detach() for n, p in named}, "optimizer": optimizer.state_dict()}, buffer)
-        counts = plan_footprint.draft_param_counts(target, 3, 300, {"intermediate_size": 96})
+        counts = plan_footprint.draft_param_counts(target, [2, 4, 5], 300, {"intermediate_size": 96})
         projected = plan_footprint.draft_checkpoint_bytes(counts, name)
         assert abs(buffer.tell() - projected) / projected < 0.05, (name, buffer.tell(), projected)
 
@@ -98,8 +108,8 @@ def extraction_run(tmp_path_factory):
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     config["target"]["path"] = str(target)
     config["dataset"].update(path=str(root / "chats.jsonl"), max_length=256, eval_fraction=0.1)
-    config["extract"].update(shard_tokens=1024, batch_tokens=2048)
-    config["vocab"]["draft_vocab_size"] = 256
+    config["extract"] = {"shard_tokens": 1024, "batch_tokens": 2048}
+    config["vocab"] = {"draft_vocab_size": 256}
     config["storage"] = {"sample_interval_s": 0.2}
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     first = snakemake(workdir, "--cores", "2", "results/dataset/stats.json", timeout=600)

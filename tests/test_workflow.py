@@ -174,9 +174,8 @@ def test_mla_target_end_to_end(tmp_path):
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     config["target"]["path"] = str(target)
     config["dataset"].update(path=str(data), max_length=256, eval_fraction=0.1)
-    config["vocab"]["draft_vocab_size"] = 256
-    config["train"].update(epochs=4, batch_tokens=1024, ttt_steps=3)
-    config["evaluate"].update(num_prompts=8, max_tokens=24)
+    config.update(vocab={"draft_vocab_size": 256}, train={"epochs": 4, "batch_tokens": 1024, "ttt_steps": 3},
+                  evaluate={"num_prompts": 8, "max_tokens": 24})
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     result = snakemake(workdir, "--cores", "2", timeout=1800)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

@@ -100,22 +100,3 @@ def target_dtype(path: str | Path) -> str:
     config = load_target_config(path)
     name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return str(name).replace("torch.", "")
-
-
-def load_target_layer(path: str | Path, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Decoder layer ``layer``'s tensors by their names inside the layer
-    (``self_attn.q_proj.weight``, ``mlp.up_proj.weight``, ``input_layernorm.weight``, ...),
-    reading only the files that hold them."""
-    locations = tensor_locations(path)
-    prefix = next((f"{p}layers.{layer}." for p in PREFIXES
-                   if any(n.startswith(f"{p}layers.{layer}.") for n in locations)), None)
-    if prefix is None:
-        raise KeyError(f"{path}: no tensors of decoder layer {layer}")
-    names = [n for n in locations if n.startswith(prefix)]
-    out = {}
-    for file in sorted({locations[n] for n in names}):
-        with safe_open(str(file), "pt") as f:
-            for name in names:
-                if locations[name] == file:
-                    out[name[len(prefix):]] = f.get_tensor(name).to(dtype)
-    return out

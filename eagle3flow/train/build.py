@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.model.draft import Eagle3Draft
 from eagle3flow.target.config import load_target_config
-from eagle3flow.target.weights import load_target_head, load_target_layer
+from eagle3flow.target.weights import load_target_head
 
 
 def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,15 +29,11 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
-                t2d: torch.Tensor, overrides: dict, seed: int,
-                init_midlayer: str = "random") -> tuple[Eagle3Draft, torch.Tensor]:
+                t2d: torch.Tensor, overrides: dict, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft initialised from the target, and the teacher head ``[Vd, H]``.
 
     Embeddings are the target's (frozen), ``norm`` the target's final norm and
-    ``lm_head`` the target lm_head's ``t2d`` rows; the rest is random (seeded), or with
-    ``init_midlayer="target"`` the midlayer starts as the target's last decoder layer
-    (its q/k/v read the hidden half of the midlayer's 2H input; the embedding half
-    stays random).
+    ``lm_head`` the target lm_head's ``t2d`` rows; the rest is random (seeded).
     """
     target_config = load_target_config(target_path)
     cfg = DraftConfig.from_target_config(target_config, aux_layer_ids, d2t.numel(), overrides)
@@ -59,32 +55,7 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         model.lm_head.weight.copy_(teacher_head)
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
-        if init_midlayer == "target":
-            copy_target_layer(model, target_path, int(target_config.get("num_hidden_layers")) - 1)
     return model, teacher_head
-
-
-def copy_target_layer(model: Eagle3Draft, target_path: str | Path, layer: int) -> None:
-    """The midlayer's weights from the target's decoder layer ``layer`` (same shapes but the
-    2H-wide q/k/v inputs, whose hidden half gets the target's q/k/v)."""
-    weights = load_target_layer(target_path, layer)
-    mid, hidden = model.midlayer, model.config.hidden_size
-    pairs = {"self_attn.o_proj.weight": mid.self_attn.o_proj.weight,
-             "mlp.gate_proj.weight": mid.mlp.gate_proj.weight, "mlp.up_proj.weight": mid.mlp.up_proj.weight,
-             "mlp.down_proj.weight": mid.mlp.down_proj.weight,
-             "post_attention_layernorm.weight": mid.post_attention_layernorm.weight,
-             "input_layernorm.weight": mid.hidden_norm.weight}
-    for name, param in pairs.items():
-        if name not in weights or weights[name].shape != param.shape:
-            raise ValueError(f"{target_path}: layer {layer} has no {name} of shape {list(param.shape)}; "
-                             f"train.init_midlayer: target needs a Llama-style target of the draft's shape")
-        param.copy_(weights[name])
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        param, source = getattr(mid.self_attn, proj).weight, weights.get(f"self_attn.{proj}.weight")
-        if source is None or source.shape != param[:, hidden:].shape:
-            raise ValueError(f"{target_path}: layer {layer} self_attn.{proj} does not match the draft's")
-        param[:, hidden:].copy_(source)
-    mid.input_layernorm.weight.copy_(weights["input_layernorm.weight"])
 
 
 def load_trained(train_dir: str | Path, target_path: str | Path, device="cpu") -> Eagle3Draft:

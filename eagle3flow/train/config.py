@@ -36,14 +36,8 @@ def resolve_train_config(config: dict | None) -> dict:
         raise ValueError(f"train config: optimizer must be one of {OPTIMIZERS}, got {merged['optimizer']!r}")
     if merged["lr_schedule"] not in LR_SCHEDULES:
         raise ValueError(f"train config: lr_schedule must be one of {LR_SCHEDULES}, got {merged['lr_schedule']!r}")
-    if merged["init_midlayer"] not in ("random", "target"):
-        raise ValueError(f"train config: init_midlayer must be random|target, got {merged['init_midlayer']!r}")
-    if not float(merged["teacher_temperature"]) > 0:
-        raise ValueError(f"train config: teacher_temperature must be > 0, got {merged['teacher_temperature']}")
     if not isinstance(merged["report_to"], list) or set(merged["report_to"]) - set(TRACKERS):
         raise ValueError(f"train config: report_to must be a list of {list(TRACKERS)}, got {merged['report_to']!r}")
-    if float(merged["hidden_noise"]) < 0:
-        raise ValueError(f"train config: hidden_noise must be >= 0, got {merged['hidden_noise']}")
     if merged["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train config: device must be auto|cpu|cuda, got {merged['device']!r}")
     return merged

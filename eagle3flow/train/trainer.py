@@ -95,15 +95,6 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
         ctx.close()
 
 
-def with_noise(aux: torch.Tensor, relative_std: float, num_aux: int) -> torch.Tensor:
-    """``aux [N, A*H]`` plus Gaussian noise of ``relative_std`` times each aux layer's RMS
-    per token (the draft must not rely on the target's states being exact)."""
-    layers = aux.view(aux.shape[0], num_aux, -1)
-    rms = layers.float().pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(layers.shape, device=aux.device, dtype=torch.float32) * rms * relative_std
-    return (layers.float() + noise).to(aux.dtype).view_as(aux)
-
-
 def bf16_autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -123,10 +114,7 @@ class Trainer:
         # The gradients come out of bf16 autocast on CUDA: a bf16 all-reduce halves the bytes.
         self.reduce_dtype = {"auto": torch.bfloat16 if self.autocast else None, "float32": None,
                              "bfloat16": torch.bfloat16}[cfg["grad_reduce_dtype"]]
-        model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"],
-                                          cfg["seed"], cfg["init_midlayer"])
-        if cfg["freeze_lm_head"]:
-            model.lm_head.weight.requires_grad_(False)
+        model, teacher_head = build_draft(target_path, manifest.aux_layer_ids, d2t, t2d, cfg["draft"], cfg["seed"])
         if manifest.hidden_size != model.config.target_hidden_size:
             raise ValueError(f"{manifest.path}: hidden_size {manifest.hidden_size} != target hidden size "
                              f"{model.config.target_hidden_size}")
@@ -134,15 +122,14 @@ class Trainer:
             # Frozen and only looked up: bf16 is what autocast computes with anyway, at half the memory.
             model.embed_tokens.to(torch.bfloat16)
         self.model = model.to(device).train()
-        # Sharpening the teacher is scaling its logits: fold 1/T into its head once.
-        self.teacher_head = (teacher_head / float(cfg["teacher_temperature"])).to(
-            device, torch.bfloat16 if self.autocast else torch.float32)
+        self.teacher_head = teacher_head.to(device, torch.bfloat16 if self.autocast else torch.float32)
         named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
         self.optimizer = build_optimizers(named_params, cfg, device)
 
         self.data = ShardData(manifest)
+        self.last_evaluation: tuple[int, dict] | None = None   # (step, its evaluation)
         self.plan = EpochPlans(self.data, cfg["seed"], cfg["batch_tokens"], data_epoch)
         self.steps_per_epoch = [len(self.plan(e)) for e in range(cfg["epochs"])]
         self.run = RunState()
@@ -190,8 +177,6 @@ class Trainer:
         denominators = [max(1, int(c)) for c in counts]
         loss, stats = None, [(0.0, 0.0, 0)] * num_steps
         if batch["input_ids"].numel():
-            if cfg["hidden_noise"]:
-                batch["aux"] = with_noise(batch["aux"], float(cfg["hidden_noise"]), model.config.num_aux)
             loss, stats = ttt_loss(model, batch, self.teacher_head, num_steps, cfg["step_loss_decay"],
                                    self.autocast, denominators=denominators)
         self.optimizer.zero_grad(set_to_none=True)
@@ -224,6 +209,7 @@ class Trainer:
             self.log(f"train: step {run.step} eval acceptance length (decode walk, K={num_steps}) {acceptance}; "
                      f"best {run.best}")
             metrics.evaluation(run.step, evaluated)
+            self.last_evaluation = (run.step, evaluated)
         batches = self.plan(next_epoch) if next_epoch < self.cfg["epochs"] else []
         next_sample = batches[next_batch][0] if next_batch < len(batches) else None
         state = training_state(self.model, self.optimizer, self.scheduler, run, next_epoch, next_batch,
@@ -323,7 +309,9 @@ def write_outputs(trainer: Trainer, out_dir: Path, run_dir: Path, fp: str, chain
               "tokens_done": run.tokens_done, "chain": chain,
               "final_checkpoint": str(run_dir / f"step-{run.step:08d}")}
     if eval_split is not None:
-        result.update(trainer.evaluate(eval_split))
+        # The last checkpoint evaluated these weights already, unless this process resumed after it.
+        last = trainer.last_evaluation
+        result.update(last[1] if last and last[0] == run.step else trainer.evaluate(eval_split))
         trainer.log(f"train: eval step accuracy {result['step_accuracy']}, acceptance length (decode walk) "
                     f"{result['decode_acceptance_length']}")
     write_json(out_dir / "eval.json", result)

@@ -1,9 +1,12 @@
 """What the run's artifacts weigh: bytes per token of hidden states, the draft's
 trainable parameters and checkpoint bytes, the target's parameters. Computed from the
-target's config dict and the workflow config, without torch (the formulas mirror
-eagle3flow/extract/shards.py and eagle3flow/model/{config,draft}.py; tests/test_plan.py checks
-them against the real draft)."""
+target's config dict and the workflow config, without torch (the draft's shape is the
+DraftConfig training builds; the shard formula mirrors eagle3flow/extract/shards.py;
+tests/test_plan.py checks both against the real artifacts)."""
 from __future__ import annotations
+
+from eagle3flow.layers import default_aux_layer_ids
+from eagle3flow.model.config import DraftConfig
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8_e4m3fn": 1, "fp8": 1}
@@ -17,9 +20,9 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 MUON_CHECKPOINT_BYTES_PER_PARAM = 8
 
 
-def aux_layer_count(config: dict, target: dict) -> int:
-    ids = config["extract"].get("aux_layer_ids")
-    return len(ids) if ids else 3
+def aux_layer_ids(config: dict, target: dict) -> list[int]:
+    """extract.aux_layer_ids, or the default ids for the target's depth."""
+    return config["extract"].get("aux_layer_ids") or default_aux_layer_ids(int(target["num_hidden_layers"]))
 
 
 def storage_dtype(config: dict) -> str:
@@ -48,42 +51,11 @@ def hidden_state_bytes_per_token(aux: int, hidden: int, dtype: str) -> int:
     return (aux + 1) * (hidden * DTYPE_BYTES[dtype] + scales) + TOKEN_OVERHEAD_BYTES
 
 
-def draft_shape(target: dict, overrides: dict) -> dict:
-    """The draft's dimensions as DraftConfig.from_target_config derives them (eagle3flow/model/config.py)."""
-    hidden = int(target["hidden_size"])
-    heads = int(target["num_attention_heads"])
-    is_mla = "kv_lora_rank" in target or str(target.get("model_type", "")).startswith("deepseek")
-    shape = {"hidden_size": hidden, "num_attention_heads": heads,
-             "num_key_value_heads": int(target.get("num_key_value_heads") or heads),
-             "head_dim": hidden // heads if is_mla else int(target.get("head_dim") or hidden // heads),
-             "intermediate_size": int(target["intermediate_size"])}
-    shape.update({k: v for k, v in (overrides or {}).items() if k in shape})
-    return shape
-
-
-def draft_trainable_params(target: dict, aux: int, draft_vocab: int, overrides: dict) -> int:
-    """Trainable parameters of the EAGLE-3 draft (Eagle3Draft minus the frozen embeddings)."""
-    return sum(draft_param_counts(target, aux, draft_vocab, overrides).values())
-
-
-def draft_param_counts(target: dict, aux: int, draft_vocab: int, overrides: dict) -> dict:
-    """The draft's trainable parameters as the optimizers split them (optim.uses_muon):
-    ``matrices``: fc ``[H, A*Ht]`` and the decoder layer's projections (its attention reads
-    ``2H``); ``rest``: lm_head ``[Vd, H]``, four RMSNorms ``[H]`` and the aux states'
-    RMSNorm ``[A*Ht]`` where the draft has one."""
-    d = draft_shape(target, overrides)
-    h, hd = d["hidden_size"], d["head_dim"]
-    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
-    attention = 2 * h * q + 2 * (2 * h * kv) + q * h
-    mlp = 3 * h * d["intermediate_size"]
-    aux_width = aux * int(target["hidden_size"])
-    overrides = overrides or {}
-    architecture = overrides.get("architecture", "auto")
-    is_mla_draft = architecture == "mla" or (architecture == "auto" and "kv_lora_rank" in target)
-    # model.config.DEFAULT_FLAGS: a Llama draft has norm_before_fc, an MLA draft has not
-    aux_norms = aux_width * (int(bool(overrides.get("norm_before_fc", not is_mla_draft)))
-                             + int(bool(overrides.get("fc_norm", False))))
-    return {"matrices": aux_width * h + attention + mlp, "rest": aux_norms + 4 * h + h * draft_vocab}
+def draft_param_counts(target: dict, aux_layer_ids: list[int], draft_vocab: int, overrides: dict) -> dict:
+    """The draft's trainable parameters, ``matrices`` and ``rest``, from the DraftConfig
+    training builds for this target (eagle3flow/model/config.py)."""
+    cfg = DraftConfig.from_target_config(target, aux_layer_ids, draft_vocab, overrides or {})
+    return cfg.trainable_param_counts()
 
 
 def draft_checkpoint_bytes(counts: dict, optimizer: str) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eagle3flow.ops import streaming
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
-from eagle3flow.ops.plan.footprint import (aux_layer_count, draft_checkpoint_bytes, draft_param_counts,
+from eagle3flow.ops.plan.footprint import (aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
 from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
                                         stage_outputs_exist)
@@ -44,7 +44,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     work = workload(config, root)
     gpus = int(config["resources"]["gpus"])
     device_class = "gpu" if gpus > 0 else "cpu"
-    aux = aux_layer_count(config, target)
+    aux_ids = aux_layer_ids(config, target)
+    aux = len(aux_ids)
     hidden = int(target["hidden_size"])
     dtype = storage_dtype(config)
     per_token = hidden_state_bytes_per_token(aux, hidden, dtype)
@@ -52,7 +53,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     samples = work["train_samples"] + work["eval_samples"]
     draft_vocab = min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"]))
     train_cfg = config["train"]
-    draft_counts = draft_param_counts(target, aux, draft_vocab, train_cfg.get("draft", {}))
+    draft_counts = draft_param_counts(target, aux_ids, draft_vocab, train_cfg.get("draft", {}))
     draft_params = sum(draft_counts.values())
     checkpoint = draft_checkpoint_bytes(draft_counts, train_cfg["optimizer"])
     total_params, active_params = target_params(target)
