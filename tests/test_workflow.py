@@ -20,10 +20,12 @@ from support.workflow import (BIN, REPO, answer_diversity, answers_matching_eval
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
-def test_profiles_resolve_from_repo_root():
-    """`snakemake --profile local-8gpu` works as typed from the repo root (dry run)."""
+def test_profiles_resolve_from_repo_root(tmp_path):
+    """`snakemake --profile local-8gpu` works as typed from the repo root (dry run; in a copy
+    of the checkout, where Snakemake's .snakemake/ may go)."""
+    workdir = workflow_copy(tmp_path / "wf")
     for profile in ("local-8gpu", "embedded"):
-        result = snakemake(REPO, "-n", "--profile", profile, "--forceall", timeout=300)
+        result = snakemake(workdir, "-n", "--profile", profile, "--forceall", timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"Using profile {profile}" in result.stdout + result.stderr
         assert "extract_hidden_states" in result.stdout
@@ -50,8 +52,8 @@ def test_config_override_reaches_the_stage_on_top_of_the_profile(tmp_path):
     assert (train["epochs"], train["lr"], train["batch_tokens"]) == (5, 0.002, 4096)
 
 
-def test_lint_is_clean():
-    result = snakemake(REPO, "--lint", timeout=300)
+def test_lint_is_clean(tmp_path):
+    result = snakemake(workflow_copy(tmp_path / "wf"), "--lint", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Congratulations" in result.stdout + result.stderr
 
