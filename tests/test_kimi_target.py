@@ -275,9 +275,10 @@ def test_vllm_cpu_refuses_the_int4_experts(vllm_runs):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="the crash needs numba imported")
 def test_vllm_cpu_in_process_engine_crashes_on_the_wrapper(vllm_runs):
-    """vLLM 0.32's CPU worker rebinds Triton kernels by scanning every loaded module; the
-    Kimi-K2.5 model module imports numba (its image preprocessing), whose llvmlite library
-    object answers any attribute, so the scan fails before the model loads. A child
-    engine core scans before it imports the model; an in-process one, after."""
+    """vLLM 0.32's CPU worker rebinds Triton kernels by scanning every loaded module's
+    objects; the Kimi-K2.5 model module imports numba (its image preprocessing), and
+    llvmlite's library object answers even ``__dict__`` with a function wrapper, so the
+    scan fails before the model loads. An engine core in a child process scans before
+    it imports the model; one in the process that built the input processor, after."""
     assert vllm_runs["in_process"] == {"error": "AttributeError",
                                        "message": "'_lib_fn_wrapper' object has no attribute 'get'"}

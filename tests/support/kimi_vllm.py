@@ -9,7 +9,7 @@ process must not reach the test's.
 A run: ``{"target", "dtype", "prompt", "max_tokens", "in_process"}``. ``in_process`` runs
 the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, how the project's
 extraction and evaluation run a single-GPU engine); otherwise in a child process, as
-``vllm serve`` does. vLLM reads that variable until an engine core starts in this
+``vllm serve`` does. Either way the model runs in the engine core's process. vLLM reads that variable until an engine core starts in this
 process, so in-process runs come last. The target's remote code is trusted, as a
 Kimi-K2.5 deployment must.
 """
@@ -28,11 +28,10 @@ def run(request: dict) -> dict:
     from eagle3flow.target.config import load_target_config
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if request.get("in_process") else "1"
+    # "uni": the model runs in the engine core's process, no worker process besides
     kwargs = dict(model=request["target"], trust_remote_code=True, dtype=request["dtype"], seed=0,
-                  max_model_len=256, max_num_seqs=2)
+                  max_model_len=256, max_num_seqs=2, distributed_executor_backend="uni")
     kwargs.update(cpu_engine_options(load_target_config(request["target"]), request["dtype"]))
-    if request.get("in_process"):
-        kwargs["distributed_executor_backend"] = "uni"
     try:
         llm = LLM(**kwargs)
     except Exception as error:
