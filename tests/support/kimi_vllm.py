@@ -28,7 +28,6 @@ def run(request: dict) -> dict:
     from eagle3flow.target.config import load_target_config
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if request.get("in_process") else "1"
-    # "uni": the model runs in the engine core's process, no worker process besides
     kwargs = dict(model=request["target"], trust_remote_code=True, dtype=request["dtype"], seed=0,
                   max_model_len=256, max_num_seqs=2, distributed_executor_backend="uni")
     kwargs.update(cpu_engine_options(load_target_config(request["target"]), request["dtype"]))
