@@ -130,8 +130,7 @@ def test_chat_template_keeps_thinking(remote_tokenizer):
     assert "<think>France is a country; its capital is Paris.</think>" in prompt
     assert tok.apply_chat_template(CONVERSATION[:3], tokenize=False, add_generation_prompt=True,
                                    thinking=False).endswith("<|im_middle|><think></think>")
-    ids = tok.apply_chat_template(CONVERSATION, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    ids = tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     assert ids.count(tok.convert_tokens_to_ids("<think>")) == 2 and tok.decode(ids) == RENDERED
 
 

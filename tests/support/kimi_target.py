@@ -6,8 +6,8 @@ tensor names and dtypes as in its config.json and weight index):
   config.json                  ``KimiK25ForConditionalGeneration`` / ``kimi_k25``; the
                                language model (DeepSeek-V3: MLA + MoE, YaRN RoPE) under
                                ``text_config`` (``model_type`` ``kimi_k2``), a 1-block MoonViT
-                               under ``vision_config``, ``auto_map`` as the hub has it, and
-                               ``quantization_config`` (outer and in ``text_config``, as there)
+                               under ``vision_config``, ``auto_map`` as the hub has it (the
+                               fixture ships no modeling_kimi_k25.py: no HF model class loads it)
   configuration_kimi_k25.py    remote config code (tests/fixtures/kimi_k25/)
   tiktoken.model               a tiktoken BPE ranks file fit on a few chat turns
   tokenization_kimi.py         remote tokenizer code: a slow tiktoken tokenizer
@@ -22,22 +22,27 @@ tensor names and dtypes as in its config.json and weight index):
 
 Toy sizes: MLA ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64 (the dims vLLM's CPU MLA
 kernel supports), the rest small (tests/support/tiny_targets.py ``deepseek_v3_config``).
-The special tokens keep the real offsets from the first one (``[BOS]`` = ranks + 0,
-``<|im_middle|>`` + 17, ``<|media_pad|>`` + 21, ``[PAD]`` + 255), so the vocab is ranks + 256
-as the real 163,840 is 163,584 + 256.
+The 256 special tokens follow the BPE ranks as the real ones follow its 163,584: ``[BOS]``,
+``[EOS]``, ``<|media_pad|>`` and ``[PAD]`` at the offsets of the real config.json's ids
+(+0, +1, +21, +255), the others in Kimi-K2's order. The ranks are fit with a byte-level
+split, not Kimi's, so some tokens span Kimi's split points: a tokenizer that does not
+split as Kimi's does (transformers' own tiktoken conversion) gives other ids here.
 
 Experts: ``int4_experts=True`` stores the routed experts as the real one does,
 compressed-tensors pack-quantized INT4 W4A16 (``weight_packed`` int32, ``weight_scale``
-bf16 per group of 32, ``weight_shape``), with the real ``ignore`` list (lm_head,
-attention, shared experts, the dense MLP). vLLM 0.32's CPU build has INT4 MoE kernels
-only for x86 with AMX (or zentorch), so on other hosts the engine refuses them (the
-test asserts the error); ``int4_experts=False`` (default) stores them dense in the
-model dtype and writes no quantization_config, which the CPU build runs.
+bf16 per group of 32, ``weight_shape``), and its ``quantization_config`` (outer and in
+``text_config``, with the real ``ignore`` list: lm_head, attention, shared experts, the
+dense MLP; the tower needs none, vLLM drops compressed-tensors for it). vLLM 0.32's CPU
+build has INT4 MoE kernels only for x86 with AMX (or zentorch); elsewhere it refuses
+them: "NotImplementedError: No WNA16 MoE backend supports the deployment
+configuration." So ``int4_experts=False`` (default) stores them dense in the model
+dtype, without a quantization_config, which the CPU build runs.
 
 The vision side is random and never run (the tests send text): the wrapper must only
 build and load it. Its sizes are in ``vision_config`` twice: as the hub's remote code
-reads them (``vt_*``) and as transformers' ``Kimi_K25Config`` does, which vLLM uses; the
-real tower's sizes are that class's defaults, a toy tower's are not.
+reads them (``vt_*``) and as transformers' ``Kimi_K25Config`` does, which vLLM uses
+whatever ``trust_remote_code`` says; the real tower's sizes are that class's defaults, a
+toy tower's are not. ``image_token_id`` likewise (the real one is the class default).
 """
 from __future__ import annotations
 
@@ -307,9 +312,9 @@ def _natural(name: str) -> list:
 
 
 def plain_language_model(kimi_dir: str | Path, out_dir: str | Path) -> Path:
-    """The fixture's language model as a plain ``DeepseekV3ForCausalLM`` directory: the same
-    tensors without the ``language_model.`` prefix, its ``text_config`` as config.json, the
-    same tokenizer files (for what runs the text model alone)."""
+    """The fixture's language model as a plain ``DeepseekV3ForCausalLM`` directory (no
+    tokenizer): the same tensors without the ``language_model.`` prefix, its ``text_config``
+    as config.json."""
     from safetensors.torch import load_file
 
     kimi_dir, out_dir = Path(kimi_dir), Path(out_dir)
@@ -323,6 +328,4 @@ def plain_language_model(kimi_dir: str | Path, out_dir: str | Path) -> Path:
                         for name, tensor in load_file(str(file)).items()
                         if name.startswith("language_model.")})
     write_shards(out_dir, [weights], 1 << 40)
-    for name in ("tiktoken.model", "tokenizer_config.json", *REMOTE_CODE[:1], "chat_template.jinja"):
-        shutil.copy(kimi_dir / name, out_dir / name)
     return out_dir
