@@ -108,9 +108,6 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, num_layers: int = 
     one, ``results/embedded/target``) instead of fitting one; the model's vocab is 4096
     (the embedded target's) or that tokenizer's size, whichever is larger.
     """
-    import torch
-    from transformers import DeepseekV3ForCausalLM
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
@@ -126,9 +123,20 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, num_layers: int = 
         max(4096, len(tokenizer)), num_layers=num_layers, hidden_size=hidden_size,
         num_experts=num_experts, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype=dtype)
+    save_deepseek_v3(out_dir, config, seed, max_shard_size)
+    if nest_text_config:
+        _nest_as_multimodal(out_dir)
+    return out_dir
+
+
+def save_deepseek_v3(out_dir: Path, config, seed: int, max_shard_size: str | int | None = None) -> None:
+    """Random ``DeepseekV3ForCausalLM`` weights of ``config`` (its dtype), saved with its
+    config.json by ``save_pretrained`` (one file per expert projection, as checkpoints ship)."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = DeepseekV3ForCausalLM(config).to(config.dtype).eval()
     with torch.no_grad():
         # HF initializes the router's bias correction to zero and its weight like any
         # linear: give every expert a real chance to be picked, so MoE routing matters.
@@ -137,9 +145,6 @@ def make_tiny_deepseek_v3(out_dir: str | Path, seed: int = 0, num_layers: int = 
                 module.e_score_correction_bias.normal_(0.0, 0.01)
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **save_kwargs)
-    if nest_text_config:
-        _nest_as_multimodal(out_dir)
-    return out_dir
 
 
 def _nest_as_multimodal(out_dir: Path) -> None:
