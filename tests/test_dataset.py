@@ -77,6 +77,17 @@ def test_mask_is_exactly_the_assistant_turns(tokenizer_dirs, family):
     assert set(np.unique(loss_mask).tolist()) == {0, 1}
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mask_without_offsets_equals_the_mask_from_offsets(tokenizer_dirs, family):
+    """A slow tokenizer's path (span edges from prefix tokenizations) gives, on every
+    template, the mask the fast tokenizer's offsets give."""
+    masker = ChatMasker(load_tokenizer(tokenizer_dirs[family]))
+    full, spans = masker.assistant_spans(CONVERSATION, "conv")
+    input_ids, loss_mask = masker.tokenize(CONVERSATION, "conv")
+    ids, mask = masker.tokenize_without_offsets(full, spans)
+    assert ids.tolist() == input_ids.tolist() and mask.tolist() == loss_mask.tolist()
+
+
 def test_qwen3_without_thinking_masks_only_the_answer(tokenizer_dirs):
     tokenizer = load_tokenizer(tokenizer_dirs["qwen3"])
     masker = ChatMasker(tokenizer, {"enable_thinking": False})

@@ -3,8 +3,9 @@ its remote tokenizer and chat format, the loss mask, the config and weight reade
 draft config, HF extraction, and vLLM's CPU build.
 
 What runs today and what waits: the tokenizer, the template, the readers and the draft
-config work; the project's tokenizer loader, the loss mask and the HF backend do not
-yet (strict xfails, each reason says what they wait for). Without
+config work, and the loss mask with Kimi's own slow tokenizer (no offsets); the project's
+tokenizer loader and the HF backend do not yet (strict xfails, each reason says what they
+wait for). Without
 ``trust_remote_code`` transformers 5 does not refuse Kimi's tokenizer: it converts
 ``tiktoken.model`` to a fast tokenizer with a generic split, which tokenizes some text
 differently from Kimi's (asserted below). On vLLM's CPU build the wrapper (vision
@@ -32,8 +33,6 @@ from support.kimi_target import INT4_GROUP_SIZE, NUM_SPECIAL, SPECIAL_TOKENS, ma
 
 REPO = Path(__file__).resolve().parent.parent
 NEEDS_TRC = "needs target.trust_remote_code (wt-c)"
-NOT_FAST = ("the loss mask needs a fast tokenizer's character offsets and Kimi's is a slow tiktoken "
-            "one: not fixed by trust_remote_code (wt-c)")
 
 CONVERSATION = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -150,8 +149,8 @@ def test_loss_mask_spans_of_kimis_format(kimi):
     assert masked_texts(tokenizer, ids, mask) == GENERATED
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=NOT_FAST)
 def test_loss_mask_with_kimis_tokenizer(remote_tokenizer):
+    """Kimi's own (slow, remote-code) tokenizer: no offsets, the same mask from prefixes."""
     ids, mask = ChatMasker(remote_tokenizer).tokenize(CONVERSATION, "kimi")
     assert list(ids) == remote_tokenizer.encode(RENDERED, add_special_tokens=False)
     assert masked_texts(remote_tokenizer, ids, mask) == GENERATED

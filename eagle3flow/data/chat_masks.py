@@ -14,7 +14,9 @@ prompt). Works for any chat template, no per-model rules:
    full rendering, after the previous turns and after the assistant header.
 3. The span ends at the content's end plus the end-of-turn marker (the added token
    that follows it); template text after the marker (Qwen's ``\\n``) is not generated.
-4. Character spans become token positions through the fast tokenizer's offsets.
+4. Character spans become token positions: through a fast tokenizer's offsets, or, for a
+   slow one (Kimi's tiktoken tokenizer is remote Python code with no tokenizer.json), by
+   tokenizing the text up to each span's edge and matching it against the whole text's ids.
 """
 from __future__ import annotations
 
@@ -34,9 +36,6 @@ class ChatMasker:
     """
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
-        if not getattr(tokenizer, "is_fast", False):
-            raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; "
-                             "the loss mask needs character offsets (tokenizer.json)")
         if not tokenizer.chat_template:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
         self.tokenizer = tokenizer
@@ -171,13 +170,16 @@ class ChatMasker:
         Raises MaskError (naming ``sample_id``) when the mask is all 0 or all 1.
         """
         full, spans = self.assistant_spans(messages, sample_id)
-        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)
-        starts = np.asarray([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
-        loss_mask = np.zeros(len(input_ids), dtype=np.int8)
-        for start, end in spans:
-            # A token belongs to the turn its first character is in.
-            loss_mask[(starts >= start) & (starts < end)] = 1
+        if getattr(self.tokenizer, "is_fast", False):
+            encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+            input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)
+            starts = np.asarray([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
+            loss_mask = np.zeros(len(input_ids), dtype=np.int8)
+            for start, end in spans:
+                # A token belongs to the turn its first character is in.
+                loss_mask[(starts >= start) & (starts < end)] = 1
+        else:
+            input_ids, loss_mask = self.tokenize_without_offsets(full, spans)
         if len(loss_mask) == 0 or not loss_mask.any():
             raise MaskError(f"sample {sample_id!r}: loss mask is all 0 (no assistant token found; "
                             "check the chat template and the data)")
@@ -186,9 +188,34 @@ class ChatMasker:
                             "tokens; the chat template or the data is wrong)")
         return input_ids, loss_mask
 
+    def tokenize_without_offsets(self, full: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A slow tokenizer has no offsets: each span edge becomes the index of the first
+        token at or after it, from the tokens of the text before the edge. The ids are the
+        whole text's, as the server tokenizes it; a chat template's spans start and end at
+        special tokens, which every tokenizer splits on, so the prefixes tokenize as the
+        whole text's first tokens."""
+        encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        ids = encode(full)
+        loss_mask = np.zeros(len(ids), dtype=np.int8)
+        for start, end in spans:
+            loss_mask[first_token_at(ids, encode(full[:start])):first_token_at(ids, encode(full[:end]))] = 1
+        return np.asarray(ids, dtype=np.int32), loss_mask
+
+
+def first_token_at(ids: list[int], prefix_ids: list[int]) -> int:
+    """The index in ``ids`` (the whole text's tokens) of the first token that starts at or
+    after the end of a prefix whose own tokens are ``prefix_ids``: a token the edge cuts
+    through starts before it, so it belongs to the text before (as with offsets)."""
+    common = 0
+    for a, b in zip(ids, prefix_ids):
+        if a != b:
+            break
+        common += 1
+    return common if common == len(prefix_ids) else common + 1
+
 
 def load_tokenizer(path: str | Path):
-    """The target's fast tokenizer (local directory only, never downloads)."""
+    """The target's tokenizer (local directory only, never downloads)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
