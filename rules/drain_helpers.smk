@@ -35,7 +35,7 @@ def write_drain_plan():
 def restore_service(reason):
     """onsuccess/onerror: bring the unit back if this run left it drained."""
     from eagle3flow.ops.drain.cycle import restore_if_drained
-    from eagle3flow.ops.drain.state import ServiceError
+    from eagle3flow.ops.drain.state import ServiceError, State, restore_command
 
     for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
         os.remove(flag)
@@ -43,8 +43,11 @@ def restore_service(reason):
         return
     try:
         restore_if_drained(DRAIN, SERVICE_DIR, reason)
-    except ServiceError as error:
+    except ServiceError as error:   # it names the command to run
         print(f"\n!!! {error}", file=sys.stderr)
+    except Exception as error:  # any other failure is as loud; the watchdog retries once Snakemake has exited
+        print(f"\n!!! the unit could not be restored: {error!r}\n"
+              f"!!! once the cause is fixed: {restore_command(State(SERVICE_DIR))}", file=sys.stderr)
 
 
 def print_downtime():

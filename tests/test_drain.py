@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
+from support.deadline import deadline
 from support.processes import alive
 from support.workflow import REPO, start_snakemake
 
@@ -193,6 +194,63 @@ def test_failed_restore_keeps_the_session_and_names_the_command(box):
     assert box.healthy() and box.session() is None
     [record] = box.downtime()
     assert record["healthy"] and len(record["restore_attempts"]) == 1
+
+
+def restore_command(box: FakeBox) -> str:
+    return f"python -m eagle3flow.ops.drain.service restore --state-dir {box.state_dir}"
+
+
+def test_hanging_systemctl_start_is_a_recorded_attempt_naming_the_command(box):
+    """systemd does not answer `systemctl start`: the restore records the attempt, keeps
+    the session and names the command, instead of dying with no trace."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    box.hang_systemctl("start")
+    with deadline(60, "a restore whose systemctl start hangs"):
+        result = box.service("restore", health_timeout_s=2)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"!!!   {restore_command(box)}" in result.stderr, result.stderr
+    [attempt] = box.session()["restore_attempts"]
+    assert "did not return within 2 s" in attempt["error"], attempt
+    box.hang_systemctl("start", False)
+    assert box.service("restore").returncode == 0 and box.healthy()
+
+
+def test_watchdog_retries_while_nvidia_smi_fails_and_restores_once_it_answers(box):
+    """nvidia-smi fails right when the run dies: the watchdog records it, does not start
+    the unit on GPUs nobody could check, and restores once nvidia-smi answers again."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    run = box.others[-1]
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    watchdog = box.session()["watchdog_pid"]
+    box.break_nvidia_smi()
+    run.kill()
+    run.wait()
+    failed = lambda: any("Unknown Error" in a["error"] for a in (box.session() or {}).get("restore_attempts", []))
+    wait_for(failed, 30, "the watchdog to record the failing nvidia-smi")
+    assert alive(watchdog), (box.state_dir / "watchdog.log").read_text()
+    assert len(box.calls("start")) == 1, "the unit was started on GPUs nobody could check"
+    box.break_nvidia_smi(False)
+    wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
+    assert box.healthy() and box.downtime()[-1]["restore_attempts"]
+
+
+def test_stage_wrapper_keeps_the_stage_status_when_the_restore_fails(box):
+    """nvidia-smi fails when the last stage ends: its restore fails loudly, naming the
+    command, and the job's status stays the stage's own."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    box.break_nvidia_smi()
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+         "--state-dir", str(box.state_dir), "--", "sh", "-c", "exit 3"],
+        env={**box.env, **run_env}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "!!! train_draft: the unit could not be restored" in result.stderr
+    assert restore_command(box) in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert box.session()["restore_attempts"] and len(box.calls("start")) == 1
 
 
 def test_restore_waits_until_the_gpus_are_free(box):

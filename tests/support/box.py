@@ -123,6 +123,16 @@ class FakeBox:
         flag = self.root / "unit-broken"
         flag.touch() if broken else flag.unlink(missing_ok=True)
 
+    def break_nvidia_smi(self, broken: bool = True) -> None:
+        """nvidia-smi fails (NVML's "Unknown Error", exit 9) until repaired."""
+        flag = self.gpus / "broken"
+        flag.touch() if broken else flag.unlink(missing_ok=True)
+
+    def hang_systemctl(self, verb: str, hanging: bool = True) -> None:
+        """`systemctl <verb>` hangs (a systemd that does not answer) until released."""
+        flag = self.systemd / f"hang-{verb}"
+        flag.touch() if hanging else flag.unlink(missing_ok=True)
+
     def downtime(self) -> list[dict]:
         path = self.state_dir / "downtime.json"
         return json.loads(path.read_text()) if path.exists() else []

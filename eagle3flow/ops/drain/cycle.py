@@ -177,8 +177,8 @@ def _stop_and_release(settings: dict, state: State, stage: str, gpus: list[int],
             result = systemctl(settings, "stop", unit, timeout=settings["stop_timeout_s"])
             if result.returncode != 0:
                 log(f"systemctl stop {unit}: rc={result.returncode} {result.stderr.strip()}")
-        except subprocess.TimeoutExpired:
-            log(f"systemctl stop {unit} did not return within {settings['stop_timeout_s']} s")
+        except ServiceError as error:
+            log(f"{error}; waiting for {unit} to stop anyway")
 
         def stopped() -> bool:
             props = unit_properties(settings)
@@ -224,6 +224,29 @@ def _stop_and_release(settings: dict, state: State, stage: str, gpus: list[int],
 
 # --- restore ---------------------------------------------------------------------------
 
+def _wait_for_free_gpus(settings: dict, gpus: list[int], own: list) -> str | None:
+    """Wait until no process holds ``gpus`` and their memory is idle; the reason it did
+    not happen, or None. nvidia-smi failing counts as busy (and is retried until the
+    timeout): the unit is never started on GPUs nobody could check."""
+    last: dict = {}
+
+    def free() -> bool:
+        try:
+            last["holders"], last["busy"] = gpus_busy(settings, gpus)
+            last.pop("error", None)
+        except GpuQueryError as error:
+            last["error"] = error
+            return False
+        return not last["holders"] and not last["busy"]
+
+    if wait_until(free, settings["gpu_release_timeout_s"], settings["poll_interval_s"]):
+        return None
+    if "error" in last:
+        return f"nvidia-smi could not tell whether GPUs {gpus} are free ({last['error']})"
+    return f"GPUs {gpus} are still held:\n" + (describe_holders(last["holders"], own)
+                                              or f"  memory above idle on GPUs {last['busy']}")
+
+
 def _start_unit(settings: dict, session: dict | None, reason: str) -> str | None:
     """Wait for the session's GPUs to be free, start the unit, wait for its health URL.
     The error, or None."""
@@ -232,13 +255,10 @@ def _start_unit(settings: dict, session: dict | None, reason: str) -> str | None
         # The last GPU stage's processes may still be exiting: vLLM must not start on GPUs
         # they hold (it would fail, and nothing would bring it back).
         gpus = session.get("gpus") or sorted(gpu_memory_used(settings["nvidia_smi"]))
-        if not wait_until(lambda: not any(gpus_busy(settings, gpus)), settings["gpu_release_timeout_s"],
-                          settings["poll_interval_s"]):
-            holders, busy = gpus_busy(settings, gpus)
-            own = [session.get("run_id"), session.get("previous_run_id")]
-            return (f"GPUs {gpus} are still held {settings['gpu_release_timeout_s']} s after {reason} "
-                    f"(drain.gpu_release_timeout_s); {unit} was not started on them:\n"
-                    + (describe_holders(holders, own) or f"  memory above idle on GPUs {busy}"))
+        held = _wait_for_free_gpus(settings, gpus, [session.get("run_id"), session.get("previous_run_id")])
+        if held:
+            return (f"{held}\n{settings['gpu_release_timeout_s']} s after {reason} "
+                    f"(drain.gpu_release_timeout_s); {unit} was not started on them")
     log(f"starting {unit} ({reason})")
     result = systemctl(settings, "start", unit, timeout=settings["health_timeout_s"])
     if result.returncode != 0:
@@ -254,6 +274,28 @@ def _start_unit(settings: dict, session: dict | None, reason: str) -> str | None
     return None
 
 
+def _add_attempt(session: dict, reason: str, error: str) -> None:
+    session.setdefault("restore_attempts", []).append(
+        {"at": iso_time(time.time()), "reason": reason, "error": error, "pid": os.getpid()})
+
+
+def record_attempt(state: State, reason: str, error: str) -> None:
+    """A failed step of a restore, kept in the open session (and later in its downtime record)."""
+    with state.locked():
+        session = state.read(state.session)
+        if session is not None:
+            _add_attempt(session, reason, error)
+            state.write(state.session, session)
+
+
+def not_restored(unit: str, error: str, state: State) -> ServiceError:
+    """The error of a restore that gave up: what failed, and the operator's command."""
+    return ServiceError(
+        f"{error}\n!!! {unit} is NOT running. The drain session stays open ({state.session}), so the "
+        f"watchdog or the next run retries; once the cause is fixed, restore it now with:\n"
+        f"!!!   {restore_command(state)}")
+
+
 def restore(settings: dict, state_dir: str, reason: str = "manual") -> dict | None:
     """Wait for the GPUs, start the unit and wait for its health URL. Idempotent: with no
     open session it still makes sure the unit runs. Returns the downtime record of the
@@ -265,26 +307,30 @@ def restore(settings: dict, state_dir: str, reason: str = "manual") -> dict | No
     unit = settings["unit"]
     with state.locked():
         session = state.read(state.session)
-        if session is not None:
-            alive, why = session_verdict(session)
-            properties = unit_properties(settings)
-            if alive == "dead" and properties.get("ActiveState") in ACTIVE_STATES:
-                _reconcile(settings, state, session, properties, why)
-                return state.downtime_records()[-1]
-            if alive == "dead":
-                reason += f" (the run that drained it is dead: {why})"
         started = session is None or session.get("was_active", True)
-        if started:
-            error = _start_unit(settings, session, reason)
-        else:
-            log(f"{unit} was not running before the drain; leaving it stopped ({reason})")
-            error = None
+        # Every step may fail (systemctl hanging, nvidia-smi failing): each failure is a
+        # recorded attempt that keeps the session, never an exception that loses it.
+        try:
+            if session is not None:
+                alive, why = session_verdict(session)
+                properties = unit_properties(settings)
+                if alive == "dead" and properties.get("ActiveState") in ACTIVE_STATES:
+                    _reconcile(settings, state, session, properties, why)
+                    return state.downtime_records()[-1]
+                if alive == "dead":
+                    reason += f" (the run that drained it is dead: {why})"
+            if started:
+                error = _start_unit(settings, session, reason)
+            else:
+                log(f"{unit} was not running before the drain; leaving it stopped ({reason})")
+                error = None
+        except (ServiceError, GpuQueryError) as failure:
+            error = str(failure)
         record = None
         if session is not None:
             now = time.time()
             if error:
-                session.setdefault("restore_attempts", []).append(
-                    {"at": iso_time(now), "reason": reason, "error": error, "pid": os.getpid()})
+                _add_attempt(session, reason, error)
                 state.write(state.session, session)
             else:
                 record = {"unit": unit, "stages": session["stages"], "reason": reason,
@@ -298,10 +344,7 @@ def restore(settings: dict, state_dir: str, reason: str = "manual") -> dict | No
                 state.add_record(record)
                 state.session.unlink()  # the watchdog sees this and exits
     if error:
-        raise ServiceError(
-            f"{error}\n{unit} is NOT running. The drain session stays open ({state.session}), so the "
-            f"watchdog or the next run retries; once the cause is fixed, restore it now with:\n"
-            f"  {restore_command(state)}")
+        raise not_restored(unit, error, state)
     if started:
         log(f"{unit} healthy at {settings['health_url']}" + (f"; down {record['downtime_s']} s" if record else ""))
     return record

@@ -243,8 +243,11 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
                 say(f"{stage} ended (rc={rc}); the unit is not drained (nothing to restore)")
             else:
                 stage_ended(settings, state_dir, stage, rc)
-        except ServiceError as error:
+        except ServiceError as error:   # it names the command to run
             say(f"!!! {stage}: the unit could not be restored: {error}")
+        except Exception as error:  # whatever else fails, the stage's status stands and the failure is loud
+            say(f"!!! {stage}: the unit could not be restored: {error!r}\n"
+                f"!!! once the cause is fixed: {restore_command(state)}")
     return rc
 
 
