@@ -157,6 +157,33 @@ def test_stage_end_restores_after_the_last_planned_stage_only(box):
     assert box.healthy() and box.downtime()[-1]["reason"] == "extract_hidden_states failed (rc=3)"
 
 
+def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int) -> subprocess.CompletedProcess:
+    """What the stage wrapper calls when a GPU job of the run ends."""
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
+         "--stage", stage, "--exit-code", str(rc)], env={**box.env, **run_env}, capture_output=True,
+        text=True, timeout=60)
+
+
+def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
+    """Someone starts the unit between extraction and training: training's drain, which
+    joins the run's session, stops it again (recorded) instead of training on its GPUs."""
+    box.start_unit()
+    run_env = box.live_run(["extract_hidden_states", "train_draft"])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env).returncode == 0
+    assert "stays down for train_draft" in stage_ended(box, run_env, "extract_hidden_states", 0).stderr
+    box.start_unit()
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env)
+    assert result.returncode == 0, result.stderr
+    assert "was started again while drained" in result.stderr, result.stderr
+    assert not box.healthy() and not box.unit_pids()
+    assert not [p for p in box.gpus.glob("*/*") if alive(int(p.name))], "the GPUs are still held"
+    [started] = box.session()["external_starts"]
+    assert started["stage"] == "train_draft" and started["state"] == "active"
+    assert "registered" in result.stderr
+    assert stage_ended(box, run_env, "train_draft", 0).returncode == 0 and box.healthy()
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()

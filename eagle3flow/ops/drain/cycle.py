@@ -96,11 +96,32 @@ def _join_drain(settings: dict, state: State, stage: str, gpus: list[int], own_r
         if time.monotonic() > deadline:
             raise ServiceError(f"the drain {stage} joined did not finish in time; see the other drain_service logs")
         time.sleep(settings["poll_interval_s"])
+    _stop_if_started_again(settings, state, stage, gpus, own_runs)
     handle_foreign(settings, gpus, f"{stage}: after the unit was drained", own_runs)
     own = sorted({h.pid for h in gpu_processes(settings["nvidia_smi"], gpus) if of_runs(h.pid, own_runs)})
     log(f"{settings['unit']} is drained by this run since {iso_time(session['drained_at'])}: {stage} registered"
         + (f" (the run's own GPU job(s) {own} hold the GPUs now; not foreign)" if own else ""))
     return session
+
+
+def _stop_if_started_again(settings: dict, state: State, stage: str, gpus: list[int], own_runs: list) -> None:
+    """Someone (an operator, a timer, systemd's Restart=) started the unit while it was
+    drained for this run: the stage would load on GPUs production holds. Stop it again,
+    recorded in the session (the cycle's downtime is then not one stretch)."""
+    properties = unit_properties(settings)
+    if unit_stopped(settings, properties):
+        return
+    unit = settings["unit"]
+    log(f"!!! {unit} was started again while drained for this run (ActiveState="
+        f"{properties.get('ActiveState')}): stopping it again for {stage}")
+    with state.locked():
+        session = state.read(state.session)
+        if session is not None:
+            session.setdefault("external_starts", []).append(
+                {"found_at": iso_time(time.time()), "stage": stage, "state": properties.get("ActiveState")})
+            state.write(state.session, session)
+    _stop_unit(settings, stage, properties)
+    _wait_released(settings, gpus, own_runs, f"{stage}: after stopping {unit} again", siblings_may_hold=True)
 
 
 def drain(settings: dict, state_dir: str, stage: str, gpus: list[int], flag: str | None = None) -> None:
@@ -168,43 +189,59 @@ def drain(settings: dict, state_dir: str, stage: str, gpus: list[int], flag: str
                                           "at": iso_time(time.time())}) + "\n")
 
 
+def _stop_unit(settings: dict, stage: str, properties: dict) -> None:
+    """``systemctl stop`` the unit and wait until it is inactive with an empty cgroup."""
+    unit = settings["unit"]
+    log(f"stopping {unit} for {stage} (was {properties.get('ActiveState')})")
+    try:
+        result = systemctl(settings, "stop", unit, timeout=settings["stop_timeout_s"])
+        if result.returncode != 0:
+            log(f"systemctl stop {unit}: rc={result.returncode} {result.stderr.strip()}")
+    except ServiceError as error:
+        log(f"{error}; waiting for {unit} to stop anyway")
+    if not wait_until(lambda: unit_stopped(settings), settings["stop_timeout_s"], settings["poll_interval_s"]):
+        props = unit_properties(settings)
+        left = sorted(unit_pids(settings, props))
+        raise ServiceError(
+            f"{unit} did not stop within drain.stop_timeout_s={settings['stop_timeout_s']} s "
+            f"(ActiveState={props.get('ActiveState')}); processes still in its cgroup:\n"
+            + ("\n".join(f"  {describe_process(p)}" for p in left) or "  (none)")
+            + f"\nnothing was loaded on the GPUs; see journalctl -u {unit}")
+
+
+def unit_stopped(settings: dict, properties: dict | None = None) -> bool:
+    props = properties or unit_properties(settings)
+    return props.get("ActiveState") in ("inactive", "failed") and not unit_pids(settings, props)
+
+
+def _wait_released(settings: dict, gpus: list[int], own_runs: list, when: str, siblings_may_hold: bool) -> None:
+    """Wait until no process holds ``gpus`` and their memory is idle (foreign holders fail
+    at once). ``siblings_may_hold``: the run's own GPU jobs may hold them (a drain that
+    joins while a sibling stage runs); their memory is theirs then."""
+    def released() -> bool:
+        handle_foreign(settings, gpus, when, own_runs)
+        holders, busy = gpus_busy(settings, gpus)
+        if siblings_may_hold:
+            others = [h for h in holders if not of_runs(h.pid, own_runs)]
+            siblings = len(holders) > len(others)
+            return not others and (siblings or not busy)
+        return not holders and not busy
+
+    if not wait_until(released, settings["gpu_release_timeout_s"], settings["poll_interval_s"]):
+        memory = gpu_memory_used(settings["nvidia_smi"])
+        raise ServiceError(
+            f"GPUs {gpus} still busy {settings['gpu_release_timeout_s']} s after {settings['unit']} stopped "
+            f"(drain.gpu_release_timeout_s): used MiB "
+            + ", ".join(f"GPU {i}: {memory.get(i, ('', '?'))[1]}" for i in gpus)
+            + "\n" + describe_holders(gpu_processes(settings["nvidia_smi"], gpus), own_runs))
+
+
 def _stop_and_release(settings: dict, state: State, stage: str, gpus: list[int], properties: dict,
                       own_runs: list, stopped_at: float) -> None:
     unit = settings["unit"]
     try:
-        log(f"stopping {unit} for {stage} (was {properties.get('ActiveState')})")
-        try:
-            result = systemctl(settings, "stop", unit, timeout=settings["stop_timeout_s"])
-            if result.returncode != 0:
-                log(f"systemctl stop {unit}: rc={result.returncode} {result.stderr.strip()}")
-        except ServiceError as error:
-            log(f"{error}; waiting for {unit} to stop anyway")
-
-        def stopped() -> bool:
-            props = unit_properties(settings)
-            return props.get("ActiveState") in ("inactive", "failed") and not unit_pids(settings, props)
-
-        if not wait_until(stopped, settings["stop_timeout_s"], settings["poll_interval_s"]):
-            props = unit_properties(settings)
-            left = sorted(unit_pids(settings, props))
-            raise ServiceError(
-                f"{unit} did not stop within drain.stop_timeout_s={settings['stop_timeout_s']} s "
-                f"(ActiveState={props.get('ActiveState')}); processes still in its cgroup:\n"
-                + ("\n".join(f"  {describe_process(p)}" for p in left) or "  (none)")
-                + f"\nnothing was loaded on the GPUs; see journalctl -u {unit}")
-
-        def released() -> bool:
-            handle_foreign(settings, gpus, "after stopping the unit", own_runs)
-            holders, busy = gpus_busy(settings, gpus)
-            return not holders and not busy
-
-        if not wait_until(released, settings["gpu_release_timeout_s"], settings["poll_interval_s"]):
-            memory = gpu_memory_used(settings["nvidia_smi"])
-            raise ServiceError(
-                f"GPUs {gpus} still busy {settings['gpu_release_timeout_s']} s after {unit} stopped "
-                f"(drain.gpu_release_timeout_s): used MiB "
-                + ", ".join(f"GPU {i}: {memory.get(i, ('', '?'))[1]}" for i in gpus)
-                + "\n" + describe_holders(gpu_processes(settings["nvidia_smi"], gpus), own_runs))
+        _stop_unit(settings, stage, properties)
+        _wait_released(settings, gpus, own_runs, "after stopping the unit", siblings_may_hold=False)
     except (ServiceError, GpuQueryError) as error:
         log(f"drain failed: {error}")
         log("bringing the unit back before failing")
