@@ -184,6 +184,53 @@ def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
     assert stage_ended(box, run_env, "train_draft", 0).returncode == 0 and box.healthy()
 
 
+def test_runs_of_two_checkouts_share_the_units_session(box):
+    """Two checkouts (two results folders) drain the same unit: the second joins the
+    first's session (the unit was running before: it comes back), and the first run's
+    end does not start production under the second run's stage."""
+    box.start_unit()
+    folders = [box.root / name / "results" / "service" for name in ("checkout-a", "checkout-b")]
+    first = box.live_run(["extract_hidden_states"], service_dir=folders[0])
+    second = box.live_run(["train_draft"], service_dir=folders[1])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=first).returncode == 0
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=second)
+    assert result.returncode == 0 and "joins its session" in result.stderr, result.stderr
+    session = box.session()
+    assert set(session["runs"]) == {first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]}
+    assert session["was_active"] is True and len(box.watchdogs()) == 2
+
+    ended = stage_ended(box, first, "extract_hidden_states", 0)
+    assert ended.returncode == 0 and "stays down" in ended.stderr and "train_draft" in ended.stderr, ended.stderr
+    assert not box.healthy() and len(box.calls("start")) == 1, "started under the second run's stage"
+    assert stage_ended(box, second, "train_draft", 0).returncode == 0 and box.healthy()
+    [record] = box.downtime()
+    assert record["run_ids"] == [first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]] and record["healthy"]
+    for folder in folders:   # each run's results folder has the cycle (the report reads it)
+        assert json.loads((folder / "downtime.json").read_text()) == [record]
+
+
+def test_restore_by_hand_from_anywhere_finds_the_session_and_waits_for_the_gpus(box, tmp_path):
+    """The operator's restore --config, run from another directory: it finds the unit's
+    session (not one under its working directory) and does not start the unit while a
+    process still holds a GPU."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    config = tmp_path / "workflow.yaml"
+    config.write_text(json.dumps({"paths": {"results": "results"}, "drain": box.settings(gpu_release_timeout_s=30)}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    holder = box.hold_gpu(3, seconds=3)
+    with deadline(90, "a restore by hand"):
+        result = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore",
+                                 "--config", str(REPO / "config.yaml"), "--config", str(config)],
+                                cwd=elsewhere, env=box.env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert holder.poll() is not None and box.starts()[-1]["gpu_holders"] == [], box.starts()
+    assert box.healthy() and box.session() is None
+    [record] = box.downtime()
+    assert record["stages"] == ["train_draft"] and record["healthy"]
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -250,7 +297,7 @@ def test_watchdog_retries_while_nvidia_smi_fails_and_restores_once_it_answers(bo
     run_env = box.live_run(["train_draft"])
     run = box.others[-1]
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
-    watchdog = box.session()["watchdog_pid"]
+    [watchdog] = box.watchdogs()
     box.break_nvidia_smi()
     run.kill()
     run.wait()
@@ -349,7 +396,7 @@ def test_stale_session_of_a_dead_run_is_reconciled_not_reused(box):
     assert result.returncode == 0, result.stderr
     session = box.session()
     assert session["stopped_at"] >= t0 - 1, "downtime measured from the old session's stop"
-    assert session["watchdog_pid"] and alive(session["watchdog_pid"]), "no watchdog for this drain"
+    assert [w for w in box.watchdogs() if alive(w)], "no watchdog for this drain"
     [reconciled] = box.downtime()
     assert "reconciled" in reconciled["reason"] and reconciled["healthy"], reconciled
     assert reconciled["stopped_at"] == datetime.fromtimestamp(stopped, timezone.utc).isoformat(timespec="seconds")
@@ -491,7 +538,6 @@ def fresh_run(upstream: Path, tmp_path: Path, **drain):
     box = FakeBox(tmp_path / "box")
     workdir = tmp_path / "wf"
     shutil.copytree(upstream, workdir, symlinks=True)
-    box.state_dir = workdir / "results" / "service"  # where the rules keep it
     box.start_unit()
     return box, workdir, tiny_config(box, tmp_path / "tiny.json", **drain)
 
@@ -523,7 +569,7 @@ def test_workflow_drains_once_restores_after_training_and_reruns_without_touchin
         assert "=== service downtime" in output and f"{UNIT} down {record['downtime_s']} s" in output
         assert "stays down for train_draft" in (workdir / "logs" / "extract_hidden_states_0.log").read_text()
         assert not list((workdir / "results" / "service").glob("*.flag")), "temp flags removed"
-        assert not (workdir / "results" / "service" / "session.json").exists()
+        assert box.session() is None
 
         # Everything cached: no drain job, and the service is not touched at all.
         calls = (box.systemd / "calls.log").read_text()
@@ -575,7 +621,7 @@ def test_failed_extraction_brings_the_unit_back(upstream, tmp_path):
         assert box.healthy() and len(box.calls("stop")) == 1 and len(box.calls("start")) == 1 + 1
         [record] = box.downtime()
         assert record["reason"].startswith("extract_hidden_states failed (rc=") and record["healthy"]
-        assert not (workdir / "results" / "service" / "session.json").exists()
+        assert box.session() is None
         assert not (workdir / "results" / "hidden_states" / "train" / "manifest.json").exists()
     finally:
         box.close()
@@ -589,14 +635,14 @@ def test_sigkilled_workflow_is_restored_by_the_watchdog(upstream, tmp_path):
         proc = start_snakemake(workdir, *snakemake_args(workdir, config), "--until", "train_draft",
                                log=log, PATH=box.env["PATH"], FAKE_SYSTEMD_DIR=box.env["FAKE_SYSTEMD_DIR"],
                                FAKE_GPU_DIR=box.env["FAKE_GPU_DIR"], EAGLE3FLOW_TEST_SHARD_DELAY="30")
-        session = workdir / "results" / "service" / "session.json"
+        session = box.state_dir / "session.json"
         extract_log = workdir / "logs" / "extract_hidden_states_0.log"
         deadline = time.monotonic() + 120
         while not (session.exists() and extract_log.exists() and "watchdog_pid" in session.read_text()):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        watchdog = json.loads(session.read_text())["watchdog_pid"]
+        [watchdog] = box.watchdogs()
         assert not box.healthy()
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its jobs: no onerror runs
         proc.wait()

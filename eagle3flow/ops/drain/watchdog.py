@@ -10,18 +10,19 @@ from __future__ import annotations
 import os
 import time
 
-from eagle3flow.ops.drain.cycle import record_attempt, restore
+from eagle3flow.ops.drain.restore import record_attempt, restore
 from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, kill_only
 from eagle3flow.ops.drain.state import (ServiceError, State, iso_time, log, restore_command, run_pids,
-                                        wrapper_gone)
+                                        session_runs, wrapper_gone)
 from eagle3flow.ops.drain.gpu_holders import GpuQueryError, describe_process, gpu_memory_used
 from eagle3flow.procfs import running
 from eagle3flow.ops.drain.systemd_unit import unit_pids
 
 def watchdog(settings: dict, state_dir: str, pid: int, pid_start: int | None, run_id: str | None = None) -> int:
-    """Detached: once Snakemake `pid` dies with the unit drained, wait until every job of
-    its run has ended and the GPUs are free (at most drain.orphan_timeout_s), then
-    restore (drain.restore_attempts times). Returns the exit status."""
+    """Detached: once Snakemake `pid` dies with the unit drained for its run `run_id`, wait
+    until every job of that run has ended and the GPUs are free (at most
+    drain.orphan_timeout_s), then restore (drain.restore_attempts times; the unit stays
+    down while another run of the session needs it). Returns the exit status."""
     state = State(state_dir)
     try:
         return _watch(settings, state, pid, pid_start, run_id)
@@ -36,8 +37,8 @@ def _watch(settings: dict, state: State, pid: int, pid_start: int | None, run_id
     log(f"watchdog {os.getpid()}: watching Snakemake pid {pid} (run {run_id}) for {unit}")
 
     def ours(session) -> bool:
-        return session is not None and (session.get("run_id") == run_id if run_id
-                                        else session.get("snakemake_pid") == pid)
+        """The session is open and this run is one of its runs."""
+        return session is not None and run_id in session_runs(session)
 
     while True:
         if not ours(state.read(state.session)):
@@ -80,7 +81,8 @@ def _watch(settings: dict, state: State, pid: int, pid_start: int | None, run_id
         time.sleep(settings["poll_interval_s"])
     for attempt in range(1, int(settings["restore_attempts"]) + 1):
         try:
-            restore(settings, str(state.dir), reason=f"watchdog: Snakemake pid {pid} died without restoring")
+            restore(settings, str(state.dir), reason=f"watchdog: Snakemake pid {pid} died without restoring",
+                    releasing=run_id)
             return 0
         except ServiceError as error:
             log(f"watchdog: restore attempt {attempt}/{settings['restore_attempts']} failed: {error}")
