@@ -231,6 +231,29 @@ def test_restore_by_hand_from_anywhere_finds_the_session_and_waits_for_the_gpus(
     assert record["stages"] == ["train_draft"] and record["healthy"]
 
 
+def test_restore_waits_for_the_gpus_without_holding_the_lock(box):
+    """While a restore waits for a job's GPUs, the next run registers at once, and its
+    drain waits for the restore, saying so, then drains afresh."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    run_env = box.live_run(["train_draft"])
+    job = box.hold_gpu(3, seconds=8, env=run_env)    # a job of that run, still exiting
+    restoring = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore", "--settings-json",
+                                  json.dumps(box.settings(gpu_release_timeout_s=60))],
+                                 env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    box.others.append(restoring)
+    wait_for(lambda: (box.state_dir / "restoring.json").exists(), 30, "the restore to wait for the GPUs")
+    with deadline(3, "registering a run while a restore waits for the GPUs"):
+        box.live_run(["evaluate_draft"])
+    with deadline(120, "a drain while a restore is under way"):
+        drained = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env)
+    assert drained.returncode == 0, drained.stderr
+    assert f"waiting for the restore of {UNIT} by pid {restoring.pid}" in drained.stderr, drained.stderr
+    assert restoring.wait(timeout=60) == 0 and job.poll() is not None
+    assert box.starts()[-1]["gpu_holders"] == [] and len(box.downtime()) == 1
+    assert not box.healthy() and box.session()["runs"], "the drain after the restore did not drain again"
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()

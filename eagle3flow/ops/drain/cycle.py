@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, handle_foreign, of_runs, wait_until
 from eagle3flow.ops.drain.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
-from eagle3flow.ops.drain.restore import _reconcile, restore
+from eagle3flow.ops.drain.restore import _reconcile, locked_between_restores, restore
 from eagle3flow.ops.drain.state import (ACTIVE_STATES, JOB_ENV, RUN_ENV, ServiceError, State, iso_time, log,
                                         restore_command, run_record, session_runs, session_verdict, this_run)
 from eagle3flow.ops.drain.systemd_unit import require_unit, systemctl, unit_pids, unit_properties
@@ -116,7 +116,7 @@ def drain(settings: dict, state_dir: str, stage: str, gpus: list[int], flag: str
     # Foreign holders first: stopping production is pointless if the stage cannot run.
     handle_foreign(settings, gpus, "before stopping the unit", own_runs)
 
-    with state.locked():
+    with locked_between_restores(settings, state, f"draining it for {stage}"):
         session = state.read(state.session)
         inherited: dict = {}
         if session is not None:

@@ -64,6 +64,12 @@ def kill_only(pids: set[int], grace_s: float = 10.0, what: str = "foreign GPU pr
 
 def handle_foreign(settings: dict, gpus: list[int], when: str, own_runs=()) -> None:
     holders = _foreign_holders(settings, gpus, own_runs)
+    if holders:
+        # A job exiting as nvidia-smi listed it reads as foreign (its environment is gone
+        # by the time it is read): only a holder listed again is one.
+        time.sleep(settings["poll_interval_s"])
+        again = {h.pid for h in _foreign_holders(settings, gpus, own_runs)}
+        holders = [h for h in holders if h.pid in again]
     if not holders:
         return
     if not settings["kill_foreign_gpu_processes"]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, wait_until
 from eagle3flow.ops.drain.gpu_holders import GpuQueryError, gpu_memory_used
@@ -22,7 +23,7 @@ from eagle3flow.ops.drain.state import (ACTIVE_STATES, ServiceError, State, iso_
                                         run_pids, run_record, session_runs, session_verdict,
                                         unit_state_dir, unregister_run)
 from eagle3flow.ops.drain.systemd_unit import systemctl, unit_healthy, unit_properties
-from eagle3flow.procfs import boot_id, boot_time, running, verdict
+from eagle3flow.procfs import boot_id, boot_time, running, start_ticks, verdict
 
 
 def service_dirs(session: dict) -> list[str]:
@@ -112,6 +113,10 @@ def _wait_for_free_gpus(settings: dict, gpus: list[int], own: list) -> str | Non
             return False
         return not last["holders"] and not last["busy"]
 
+    if free():
+        return None
+    log(f"waiting up to {settings['gpu_release_timeout_s']} s (drain.gpu_release_timeout_s) for GPUs {gpus} "
+        f"to be free before starting {settings['unit']}")
     if wait_until(free, settings["gpu_release_timeout_s"], settings["poll_interval_s"]):
         return None
     if "error" in last:
@@ -169,10 +174,43 @@ def not_restored(unit: str, error: str, state: State) -> ServiceError:
         f"!!!   {restore_command(state)}")
 
 
+def _restore_under_way(state: State) -> dict | None:
+    """The restore another process is running now (its marker), or None (none, or its
+    process died mid-way)."""
+    marker = state.read(state.restoring)
+    if marker and marker.get("pid") != os.getpid() and running(marker.get("pid"), marker.get("start")):
+        return marker
+    return None
+
+
+@contextmanager
+def locked_between_restores(settings: dict, state: State, before: str):
+    """The state's lock, taken while no other process's restore is under way (a restore
+    waits for the GPUs and the unit's health without the lock): waits for it, saying
+    for what, at most as long as such a restore can take."""
+    limit = settings["gpu_release_timeout_s"] + 2 * settings["health_timeout_s"] + 120
+    deadline, said = time.monotonic() + limit, False
+    while True:
+        with state.locked():
+            under_way = _restore_under_way(state)
+            if under_way is None:
+                yield
+                return
+        if not said:
+            log(f"waiting for the restore of {settings['unit']} by pid {under_way['pid']} ({under_way['reason']}; "
+                f"since {under_way['at']}) to end before {before}")
+            said = True
+        if time.monotonic() > deadline:
+            raise ServiceError(f"the restore of {settings['unit']} by pid {under_way['pid']} has not ended after "
+                               f"{limit:.0f} s; see {state.watchdog_log} and journalctl -u {settings['unit']}")
+        time.sleep(settings["poll_interval_s"])
+
+
 def restore(settings: dict, state_dir: str, reason: str = "manual", releasing: str | None = None) -> dict | None:
     """Bring the unit back unless another run of the session still needs it down; run
     ``releasing`` (whose stage ended, or which ended) needs it no more. Waits for the
-    GPUs, starts the unit and waits for its health URL. Idempotent: with no open session
+    GPUs, starts the unit and waits for its health URL, without holding the lock
+    (``restoring.json`` says a restore is under way). Idempotent: with no open session
     it still makes sure the unit runs. Returns the downtime record of the closed cycle
     (None when there was none, or the unit stays down for another run: then the session
     stays open). On failure the session stays (with the attempt recorded) and
@@ -181,7 +219,8 @@ def restore(settings: dict, state_dir: str, reason: str = "manual", releasing: s
     if not settings["unit"]:
         raise ServiceError("drain.unit is not set: nothing to restore")
     unit = settings["unit"]
-    with state.locked():
+    error = None
+    with locked_between_restores(settings, state, f"restoring ({reason})"):
         session = state.read(state.session)
         started = session is None or session.get("was_active", True)
         # Every step may fail (systemctl hanging, nvidia-smi failing): each failure is a
@@ -202,25 +241,39 @@ def restore(settings: dict, state_dir: str, reason: str = "manual", releasing: s
                 if needed:
                     log(f"{unit} stays down ({reason}): " + "; ".join(needed))
                     return None
-            if started:
-                error = _start_unit(settings, session, reason)
-            else:
-                log(f"{unit} was not running before the drain; leaving it stopped ({reason})")
-                error = None
         except (ServiceError, GpuQueryError) as failure:
             error = str(failure)
-        record = None
-        if session is not None:
-            now = time.time()
-            if error:
+            if session is not None:
                 _add_attempt(session, reason, error)
                 state.write(state.session, session)
-            else:
+        if error is None:
+            state.write(state.restoring, {"pid": os.getpid(), "start": start_ticks(os.getpid()),
+                                          "at": iso_time(time.time()), "reason": reason})
+    if error is not None:
+        raise not_restored(unit, error, state)
+    record, error = None, "the restore was interrupted"   # what stays recorded if it is killed mid-way
+    try:
+        if started:
+            error = _start_unit(settings, session, reason)
+        else:
+            log(f"{unit} was not running before the drain; leaving it stopped ({reason})")
+            error = None
+    except (ServiceError, GpuQueryError) as failure:
+        error = str(failure)
+    finally:
+        with state.locked():
+            session = state.read(state.session)     # stages may have ended meanwhile
+            if session is not None and error:
+                _add_attempt(session, reason, error)
+                state.write(state.session, session)
+            elif session is not None:
+                now = time.time()
                 record = cycle_record(session, reason=reason, stopped_at=iso_time(session["stopped_at"]),
                                       healthy_at=iso_time(now) if started else None,
                                       downtime_s=round(now - session["stopped_at"], 1), healthy=True, error=None)
                 state.add_record(record, service_dirs(session))
                 state.session.unlink()  # the watchdogs see this and exit
+            state.restoring.unlink(missing_ok=True)
     if error:
         raise not_restored(unit, error, state)
     if started:

@@ -12,6 +12,9 @@ read and written under one lock:
   dead (after a reboot, say) is reconciled with the unit's real state instead of reused;
 * ``runs/<run id>.json``: each run registered by its onstart (the drained stages it will
   run, its ``<results>/service`` folder), until it ends;
+* ``restoring.json`` while a restore waits for the GPUs and the unit's health, which it
+  does without the lock: drains and other restores wait for it (and say so), every
+  other step (a run registering, a stage ending) goes on;
 * ``downtime.json``: one record per cycle on this host; each record also goes to
   ``<results>/service/downtime.json`` of every run of its cycle (the report reads it);
 * ``watchdog.log``.
@@ -110,6 +113,8 @@ class State:
         self.downtime = self.dir / "downtime.json"
         self.watchdog_log = self.dir / "watchdog.log"
         self.runs = self.dir / "runs"
+        # A restore under way (it waits for the GPUs and the unit's health unlocked).
+        self.restoring = self.dir / "restoring.json"
 
     def make(self) -> None:
         try:
