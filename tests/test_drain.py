@@ -96,6 +96,31 @@ def test_foreign_gpu_process_is_named_and_not_killed(box):
     assert box.service("restore").returncode == 0
 
 
+SECRETS = ("sk-live-1", "hf_live_2", "pw-live-3", "live-4")
+
+
+def test_secrets_on_gpu_holders_command_lines_are_never_written(box):
+    """A GPU holder started with an API key, a token, a URL with a password and a
+    password variable on its command line is named without them: in messages, in the
+    session and in the downtime record."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "2").returncode == 0
+    holder = box.hold_gpu(1, args=("--api-key", SECRETS[0], f"--hf-token={SECRETS[1]}",
+                                   f"https://bob:{SECRETS[2]}@example.com/", f"DB_PASSWORD={SECRETS[3]}"))
+    refused = box.service("drain", "--stage", "train_draft", "--gpus", "2")
+    failed = box.service("restore", gpu_release_timeout_s=1)
+    assert refused.returncode == 1 and failed.returncode == 1 and f"pid {holder.pid} " in failed.stderr
+    session = (box.state_dir / "session.json").read_text()
+    for text in (refused.stderr, failed.stderr, session):
+        assert "--api-key *** --hf-token=*** https://bob:***@example.com/ DB_PASSWORD=***" in text, text
+    holder.kill()
+    holder.wait()
+    assert box.service("restore").returncode == 0
+    written = [refused.stderr, failed.stderr, session, (box.state_dir / "downtime.json").read_text()]
+    assert box.downtime()[-1]["restore_attempts"]
+    assert not [secret for secret in SECRETS for text in written if secret in text]
+
+
 def test_opt_in_kills_only_the_foreign_gpu_holders(box):
     box.start_unit()
     foreign = box.hold_gpu(5)

@@ -143,11 +143,13 @@ class FakeBox:
         path = self.state_dir / "downtime.json"
         return json.loads(path.read_text()) if path.exists() else []
 
-    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None) -> subprocess.Popen:
+    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None,
+                 args: tuple[str, ...] = ()) -> subprocess.Popen:
         """A process outside the unit with a context on fake GPU(s) `index` for `seconds`
-        (a foreign one, or with a run's `env` one of that run's jobs)."""
-        proc = subprocess.Popen(["sleep", str(seconds)], start_new_session=True,
-                                env={**self.env, **(env or {})})
+        (a foreign one, or with a run's `env` one of that run's jobs), `args` on its command line."""
+        proc = subprocess.Popen(["sleep", str(seconds), *args] if not args else
+                                [sys.executable, "-c", f"import time; time.sleep({seconds})", *args],
+                                start_new_session=True, env={**self.env, **(env or {})})
         self.others.append(proc)
         for i in [index] if isinstance(index, int) else index:
             (self.gpus / str(i)).mkdir(exist_ok=True)
