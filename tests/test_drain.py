@@ -121,6 +121,36 @@ def test_secrets_on_gpu_holders_command_lines_are_never_written(box):
     assert not [secret for secret in SECRETS for text in written if secret in text]
 
 
+def test_drain_checks_the_gpus_an_inherited_cuda_visible_devices_names(box):
+    """The run inherits CUDA_VISIBLE_DEVICES=4,5,6,7: the drain frees those GPUs for a
+    4-GPU stage, and a process on GPU 0 is no obstacle (one on GPU 5 is)."""
+    box.start_unit()
+    elsewhere = box.hold_gpu(0, seconds=5)
+    inherited = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "4", run_env=inherited)
+    assert result.returncode == 0, result.stderr
+    assert box.session()["gpus"] == [4, 5, 6, 7]
+    in_the_way = box.hold_gpu(5)
+    refused = box.service("drain", "--stage", "evaluate_draft", "--gpus", "4", run_env=inherited)
+    assert refused.returncode == 1 and f"pid {in_the_way.pid} " in refused.stderr, refused.stderr
+    in_the_way.kill()
+    elsewhere.wait()
+    assert box.service("restore").returncode == 0
+
+
+def test_stage_wrapper_keeps_an_inherited_cuda_visible_devices(tmp_path):
+    """The user's CUDA_VISIBLE_DEVICES=4,5,6,7, drain off: a 2-GPU stage runs on 4,5."""
+    seen = tmp_path / "seen"
+    command = [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "2", "--",
+               "sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" > {seen}']
+    result = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and seen.read_text().strip() == "4,5", result.stderr
+    too_few = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "6"}, capture_output=True,
+                             text=True, timeout=60)
+    assert too_few.returncode == 1 and "names 1 GPU(s); the GPU stages need 2" in too_few.stderr
+
+
 def test_opt_in_kills_only_the_foreign_gpu_holders(box):
     box.start_unit()
     foreign = box.hold_gpu(5)

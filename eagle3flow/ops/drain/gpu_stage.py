@@ -5,7 +5,8 @@
 
 * The stage sees GPUs 0..N-1 numbered as nvidia-smi numbers them
   (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, ``CUDA_VISIBLE_DEVICES=0..N-1``: the ones the drain
-  freed); under SLURM the devices it allocated are kept.
+  freed), or the first N of a CUDA_VISIBLE_DEVICES it inherits (the drain checks the
+  same ones); under SLURM the devices it allocated are kept.
 * With ``--drain`` it refuses to start unless the unit is drained for this very run:
   the unit's ``session.json`` exists and lists the live run whose token
   ($EAGLE3FLOW_RUN) this job carries.
@@ -36,6 +37,7 @@ import threading
 import time
 
 from eagle3flow.ops.drain.cycle import stage_ended
+from eagle3flow.ops.drain.gpus import job_devices
 from eagle3flow.ops.drain.state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command, run_record,
                                         session_runs, settings_of)
 from eagle3flow.procfs import live_group_members, signal_on_parent_death, start_ticks, verdict
@@ -141,11 +143,12 @@ def _group_alive(pgid: int, but: int | None = None) -> bool:
 
 
 def stage_environment(gpus: int, base: dict | None = None) -> dict:
+    """The stage's environment: its GPUs (job_devices; SLURM's allocation as it is)."""
     env = dict(os.environ if base is None else base)
     if gpus > 0:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if not env.get("SLURM_JOB_ID"):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(job_devices(gpus, env))
     return env
 
 
@@ -186,7 +189,11 @@ def run(stage: str, gpus: int, command: list[str], drained: bool, state_dir: str
         if refusal:
             say(f"{stage}: not started: {refusal}")
             return 1
-    env = stage_environment(gpus)
+    try:
+        env = stage_environment(gpus)
+    except ServiceError as error:
+        say(f"{stage}: not started: {error}")
+        return 1
     env[JOB_ENV] = f"{os.getpid()}:{start_ticks(os.getpid())}"
     received: list[int] = []
     child: subprocess.Popen | None = None
@@ -266,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.drain.gpu_stage",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--stage", required=True, help="the rule (a drained stage: DRAINED_STAGES)")
-    parser.add_argument("--gpus", type=int, default=0, help="the stage uses GPUs 0..N-1 (0: none)")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="the stage uses N GPUs: 0..N-1, or the first N of CUDA_VISIBLE_DEVICES (0: none)")
     parser.add_argument("--drain", action="store_true", help="the unit is drained for this stage")
     parser.add_argument("--state-dir", default=None, help="the unit's state folder (with --drain)")
     parser.add_argument("--log", default=None, help="the rule's log file")

@@ -12,9 +12,40 @@ import signal
 import time
 
 from eagle3flow.ops.drain.state import RUN_ENV, ServiceError, log
-from eagle3flow.ops.drain.gpu_holders import describe_process, gpu_memory_used, gpu_processes
+from eagle3flow.ops.drain.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
 from eagle3flow.procfs import environ, running, start_ticks
 from eagle3flow.ops.drain.systemd_unit import unit_pids
+
+def job_devices(count: int, env=None) -> list[str]:
+    """The devices a GPU job of ``count`` GPUs runs on, as CUDA_VISIBLE_DEVICES names them:
+    the first ``count`` of an inherited CUDA_VISIBLE_DEVICES (a user who set 4,5,6,7 keeps
+    them), else 0..count-1 (numbered like nvidia-smi: CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    inherited = [d.strip() for d in (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "").split(",")
+                 if d.strip()]
+    if not inherited:
+        return [str(i) for i in range(count)]
+    if len(inherited) < count:
+        raise ServiceError(f"CUDA_VISIBLE_DEVICES={','.join(inherited)} names {len(inherited)} GPU(s); the "
+                           f"GPU stages need {count} (resources.gpus)")
+    return inherited[:count]
+
+
+def job_gpu_indices(settings: dict, count: int) -> list[int]:
+    """nvidia-smi's indices of the GPUs a job of ``count`` GPUs runs on (job_devices; a
+    GPU named by its UUID is looked up)."""
+    devices = job_devices(count)
+    if all(d.isdigit() for d in devices):
+        return [int(d) for d in devices]
+    try:
+        index_of = {uuid: index for index, (uuid, _) in gpu_memory_used(settings["nvidia_smi"]).items()}
+    except GpuQueryError as error:
+        raise ServiceError(f"cannot tell which GPUs CUDA_VISIBLE_DEVICES names: {error}") from error
+    unknown = [d for d in devices if not d.isdigit() and d not in index_of]
+    if unknown:
+        raise ServiceError(f"CUDA_VISIBLE_DEVICES names {unknown}, which nvidia-smi does not list as GPUs "
+                           "(MIG instances cannot be drained for)")
+    return [int(d) if d.isdigit() else index_of[d] for d in devices]
+
 
 def of_runs(pid: int, run_ids) -> bool:
     """Whether process ``pid`` carries one of these run tokens (a job of those runs)."""

@@ -46,6 +46,7 @@ from eagle3flow.ops.drain.state import (ACTIVE_STATES, DEFAULTS, RUN_ENV, Servic
                                         unit_state_dir)
 from eagle3flow.ops.drain.gpu_env import drain_refusal
 from eagle3flow.ops.drain.gpu_holders import GpuQueryError, gpu_memory_used
+from eagle3flow.ops.drain.gpus import job_gpu_indices
 from eagle3flow.ops.drain.systemd_unit import unit_properties
 from eagle3flow.ops.drain.watchdog import watchdog
 
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "alone (no --config), the settings of its open session are used")
         if name == "drain":
             p.add_argument("--stage", required=True)
-            p.add_argument("--gpus", type=int, required=True, help="the stage uses GPUs 0..N-1")
+            p.add_argument("--gpus", type=int, required=True,
+                           help="the stage uses N GPUs: 0..N-1, or the first N of CUDA_VISIBLE_DEVICES")
             p.add_argument("--flag", help="written once drained (the rule's output)")
         if name == "stage-ended":
             p.add_argument("--stage", required=True)
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         state_dir = args.state_dir or str(unit_state_dir(settings))
         if args.command == "drain":
             # no GPUs configured: the unit's GPUs are all of the node's
-            gpus = list(range(args.gpus)) if args.gpus > 0 else sorted(gpu_memory_used(settings["nvidia_smi"]))
+            gpus = (job_gpu_indices(settings, args.gpus) if args.gpus > 0
+                    else sorted(gpu_memory_used(settings["nvidia_smi"])))
             # Before anything touches systemctl: stopping production is pointless when the
             # stages cannot use the GPUs it frees (CPU torch, vLLM's CPU build, too few GPUs).
             refusal = settings["check_gpu_environment"] and drain_refusal(len(gpus), settings["nvidia_smi"])
