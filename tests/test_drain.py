@@ -163,6 +163,41 @@ def test_opt_in_kills_only_the_foreign_gpu_holders(box):
     assert box.service("restore").returncode == 0
 
 
+def child_in_new_pid_namespace(box: FakeBox) -> int | None:
+    """A `sleep` in a pid namespace of its own (a container's process), or None where
+    this host does not allow one (unshare needs the privilege)."""
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "300"], start_new_session=True,
+                             stderr=subprocess.DEVNULL)
+    box.others.append(outer)
+    deadline_at = time.monotonic() + 10
+    while time.monotonic() < deadline_at and outer.poll() is None:
+        children = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.05)
+    return None
+
+
+def test_opt_in_kill_spares_jobs_of_any_run_and_other_pid_namespaces(box):
+    """kill_foreign_gpu_processes: a job of another run (another checkout's) or a process
+    of another pid namespace is named and never killed; production stays up."""
+    box.start_unit()
+    other_run = box.hold_gpu(2, env={"EAGLE3FLOW_RUN": "another-checkouts-run"})
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
+    assert result.returncode == 1 and "a job of eagle3flow run another-checkouts-run" in result.stderr, result.stderr
+    assert other_run.poll() is None, "a job of another run was killed"
+    other_run.kill()
+    other_run.wait()
+    contained = child_in_new_pid_namespace(box)
+    if contained is not None:
+        (box.gpus / "3").mkdir(exist_ok=True)
+        (box.gpus / "3" / str(contained)).write_text("1200")
+        result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
+        assert result.returncode == 1 and "another pid namespace" in result.stderr, result.stderr
+        assert alive(contained), "a process of another pid namespace was killed"
+    assert not box.calls("stop") and box.healthy()
+
+
 def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
     box = FakeBox(tmp_path / "box", ignore_sigterm=True)
     try:
