@@ -140,6 +140,7 @@ def drain(settings: dict, state_dir: str, stage: str, gpus: list[int], flag: str
             elif run is not None:
                 runs[run_id]["released"] = False    # a failed stage released it; this one needs it again
             session["stages"] = sorted(set(session["stages"]) | {stage})
+            session["gpus"] = sorted(set(session.get("gpus") or []) | set(gpus))   # what the restore waits for
             session.setdefault("drained_at", session.get("stopped_at"))
             state.write(state.session, session)
             joining = True

@@ -1,7 +1,9 @@
-"""The detached watchdog: restores the unit once the Snakemake run that drained it died.
+"""The detached watchdog of a run that drained the unit: hands the unit back (restores
+it, unless another run of the session still needs it down) once that run's Snakemake
+died.
 
-Started by the drain with ``setsid`` (it survives the run's process group being killed)
-and without a run token (it waits for the processes that carry one). Jobs of the dead
+Started by the run's first drain with ``setsid`` (it survives the run's process group
+being killed) and without a run token (it waits for the processes that carry one). Jobs of the dead
 run live on when only the Snakemake main process was killed; processes of a job whose
 stage wrapper is gone have nobody to hand their result to and are stopped.
 """
