@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3flow.ops.drain.gpus import describe_holders, gpus_busy, handle_foreign, of_runs, wait_until
 from eagle3flow.ops.drain.gpu_holders import GpuQueryError, describe_process, gpu_memory_used, gpu_processes
-from eagle3flow.ops.drain.restore import _reconcile, locked_between_restores, restore
+from eagle3flow.ops.drain.restore import reconcile, locked_between_restores, restore
 from eagle3flow.ops.drain.state import (ACTIVE_STATES, JOB_ENV, RUN_ENV, ServiceError, State, iso_time, log,
                                         restore_command, run_record, session_runs, session_verdict, this_run)
 from eagle3flow.ops.drain.systemd_unit import require_unit, systemctl, unit_pids, unit_properties
@@ -122,7 +122,7 @@ def drain(settings: dict, state_dir: str, stage: str, gpus: list[int], flag: str
         if session is not None:
             alive, why = session_verdict(session)
             if alive == "dead":
-                inherited = _reconcile(settings, state, session, properties, why)
+                inherited = reconcile(settings, state, session, properties, why)
                 session = None
                 properties = unit_properties(settings)
         if session is not None:

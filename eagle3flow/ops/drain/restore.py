@@ -7,7 +7,7 @@ are free; and closing the session a dead run left.
   Otherwise it waits for the GPUs to be free, starts the unit and polls its health URL.
   Every failed step is an attempt recorded in the session, which stays open, and the
   error names the command to run. It is idempotent.
-* ``_reconcile`` closes the session of runs that are all provably dead (a reboot) against
+* ``reconcile`` closes the session of runs that are all provably dead (a reboot) against
   the unit's real state.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def cycle_record(session: dict, **fields) -> dict:
 
 # --- a session of dead runs ------------------------------------------------------------
 
-def _reconcile(settings: dict, state: State, session: dict, properties: dict, why: str) -> dict:
+def reconcile(settings: dict, state: State, session: dict, properties: dict, why: str) -> dict:
     """Under the lock: close the session of runs that are all provably dead (a reboot, a
     kill that took their watchdogs too) against the unit's real state, and say what the
     next session inherits. Unit active: systemd (or someone) started it again; the cycle
@@ -233,7 +233,7 @@ def restore(settings: dict, state_dir: str, reason: str = "manual", releasing: s
                 alive, why = session_verdict(session)
                 properties = unit_properties(settings)
                 if alive == "dead" and properties.get("ActiveState") in ACTIVE_STATES:
-                    _reconcile(settings, state, session, properties, why)
+                    reconcile(settings, state, session, properties, why)
                     return state.downtime_records()[-1]
                 if alive == "dead":
                     reason += f" (the run that drained it is dead: {why})"
