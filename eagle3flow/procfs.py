@@ -139,6 +139,17 @@ def pid_namespace(pid: int | str = "self") -> int | None:
         return None
 
 
+# The kernel's initial pid namespace, the host's: its inode is fixed (PROC_PID_INIT_INO,
+# include/linux/proc_ns.h).
+HOST_PID_NAMESPACE = 0xEFFFFFFC
+
+
+def in_host_pid_namespace() -> bool:
+    """Whether this process sees the host's pids, as nvidia-smi reports them; in a
+    container's pid namespace they name other processes here, or none."""
+    return pid_namespace("self") == HOST_PID_NAMESPACE
+
+
 def boot_time() -> float | None:
     """When this boot started (unix time), from /proc/stat's btime."""
     try:

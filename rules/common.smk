@@ -13,7 +13,7 @@ from eagle3flow import config as config_lib
 from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
-from eagle3flow.ops.drain.state import DRAINED_STAGES, run_id_of
+from eagle3flow.ops.drain.state import DRAINED_STAGES, ServiceError, run_id_of, unit_state_dir
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
@@ -77,7 +77,14 @@ LOCAL_CORES = workflow.resource_settings.cores or workflow.resource_settings.loc
 # overlap (streaming) are not held back by a count of cores they do not use.
 COMPUTE_THREADS = LOCAL_CORES if GPUS == 0 else 1
 DRAIN = config["drain"]
+# This run's drain records (downtime.json, the drain flags); the unit's session lives in
+# the unit's one state folder on the host (eagle3flow/ops/drain/state.py), None while
+# drain.unit is unset (the drain job then says what to set).
 SERVICE_DIR = f"{RESULTS}/service"
+try:
+    UNIT_STATE_DIR = str(unit_state_dir(DRAIN)) if DRAIN["enabled"] and DRAIN["unit"] else None
+except ServiceError as error:
+    raise WorkflowError(str(error))
 
 
 def normalize_aux_layer_ids():
@@ -191,7 +198,7 @@ def gpu_stage(stage):
     ``{gpu_stage} --log {log} -- <the stage's command>``."""
     command = f"python -m eagle3flow.ops.drain.gpu_stage --stage {stage} --gpus {GPUS}"
     if DRAIN["enabled"]:
-        command += f" --drain --state-dir {shlex.quote(SERVICE_DIR)}"
+        command += " --drain" + (f" --state-dir {shlex.quote(UNIT_STATE_DIR)}" if UNIT_STATE_DIR else "")
     return command
 
 

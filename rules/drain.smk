@@ -9,7 +9,6 @@ rule drain_service:
         flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.{{key}}.flag"),
     params:
         settings=json_arg("drain"),
-        state_dir=lambda wildcards, output: os.path.dirname(output.flag),
         gpus=GPUS,
     wildcard_constraints:
         stage="|".join(DRAINED_STAGES),
@@ -23,5 +22,5 @@ rule drain_service:
         "../envs/service.yaml"
     shell:
         "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
-        " --settings-json {params.settings} --state-dir {params.state_dir} --flag {output.flag}"
+        " --settings-json {params.settings} --flag {output.flag}"
         " 2>&1 | tee {log}"

@@ -23,28 +23,38 @@ def drained_stage_inputs(wildcards):
 
 
 def write_drain_plan():
-    """onstart: record the run and which drained stages it will run, so that a stage's
-    end knows whether the GPUs are needed again or the unit can come back."""
-    from eagle3flow.ops.drain.state import write_plan
+    """onstart: register the run with the unit, with the drained stages it will run, so
+    that a stage's end knows whether the GPUs are needed again or the unit can come back,
+    and so that no other run's restore starts the unit under this run's stages."""
+    from eagle3flow.ops.drain.state import ServiceError, write_plan
 
+    if not DRAIN["unit"]:
+        return      # the first drain job says what to set
     # One entry per job: streaming alternates extraction and training jobs.
     stages = [job.rule.name for job in workflow.dag.needrun_jobs() if job.rule.name in DRAINED_STAGES]
-    write_plan(SERVICE_DIR, sorted(stages), os.getpid(), run_id=RUN_ID)
+    try:
+        write_plan(DRAIN, SERVICE_DIR, sorted(stages), os.getpid(), run_id=RUN_ID)
+    except ServiceError as error:
+        raise WorkflowError(str(error))
 
 
 def restore_service(reason):
-    """onsuccess/onerror: bring the unit back if this run left it drained."""
-    from eagle3flow.ops.drain.cycle import restore_if_drained
-    from eagle3flow.ops.drain.state import ServiceError
+    """onsuccess/onerror: this run needs the unit no more: bring it back if the run left it
+    drained and no other run still needs it down."""
+    from eagle3flow.ops.drain.restore import restore_if_drained
+    from eagle3flow.ops.drain.state import ServiceError, State, restore_command
 
     for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
         os.remove(flag)
-    if not DRAIN["enabled"]:
+    if not DRAIN["enabled"] or not UNIT_STATE_DIR:
         return
     try:
-        restore_if_drained(DRAIN, SERVICE_DIR, reason)
-    except ServiceError as error:
+        restore_if_drained(DRAIN, reason, RUN_ID)
+    except ServiceError as error:   # it names the command to run
         print(f"\n!!! {error}", file=sys.stderr)
+    except Exception as error:  # any other failure is as loud; the watchdog retries once Snakemake has exited
+        print(f"\n!!! the unit could not be restored: {error!r}\n"
+              f"!!! once the cause is fixed: {restore_command(State(UNIT_STATE_DIR))}", file=sys.stderr)
 
 
 def print_downtime():
@@ -53,7 +63,7 @@ def print_downtime():
 
     if not DRAIN["enabled"]:
         return
-    summary = run_summary(SERVICE_DIR, os.getpid())
+    summary = run_summary(SERVICE_DIR, RUN_ID)
     if summary:
         print(f"\n=== service downtime ({SERVICE_DIR}/downtime.json) ===\n{summary}")
 
@@ -61,20 +71,24 @@ def print_downtime():
 def drop_stale_drain_flags():
     """A drain flag is only true while its run holds the unit drained: one left behind by
     a dead run must not let a GPU stage start on a running service (the stage wrapper
-    refuses then anyway). Only a run does this, and only when no live run holds the
-    session: a dry run or a second terminal changes nothing."""
-    from eagle3flow.ops.drain.state import ServiceError, State, session_verdict
+    refuses then anyway). Only a run does this, and only when no live run of this results
+    folder is in the unit's session: a dry run or a second terminal changes nothing."""
+    from eagle3flow.ops.drain.state import ServiceError, State, run_record, session_runs
+    from eagle3flow.procfs import verdict
 
     flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
     if not flags:
         return
-    state = State(SERVICE_DIR)
-    try:
-        session = state.read(state.session)
-    except ServiceError:
-        return
-    if session is not None and session_verdict(session)[0] != "dead":
-        return
+    if UNIT_STATE_DIR:
+        state = State(UNIT_STATE_DIR)
+        try:
+            session = state.read(state.session)
+        except ServiceError:
+            return
+        here = os.path.abspath(SERVICE_DIR)
+        if any(entry.get("service_dir") == here and verdict(run_record(entry))[0] != "dead"
+               for entry in session_runs(session or {}).values()):
+            return
     for flag in flags:
         os.remove(flag)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
+from support.deadline import deadline
 from support.processes import alive
 from support.workflow import REPO, start_snakemake
 
@@ -95,6 +96,61 @@ def test_foreign_gpu_process_is_named_and_not_killed(box):
     assert box.service("restore").returncode == 0
 
 
+SECRETS = ("sk-live-1", "hf_live_2", "pw-live-3", "live-4")
+
+
+def test_secrets_on_gpu_holders_command_lines_are_never_written(box):
+    """A GPU holder started with an API key, a token, a URL with a password and a
+    password variable on its command line is named without them: in messages, in the
+    session and in the downtime record."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "2").returncode == 0
+    holder = box.hold_gpu(1, args=("--api-key", SECRETS[0], f"--hf-token={SECRETS[1]}",
+                                   f"https://bob:{SECRETS[2]}@example.com/", f"DB_PASSWORD={SECRETS[3]}"))
+    refused = box.service("drain", "--stage", "train_draft", "--gpus", "2")
+    failed = box.service("restore", gpu_release_timeout_s=1)
+    assert refused.returncode == 1 and failed.returncode == 1 and f"pid {holder.pid} " in failed.stderr
+    session = (box.state_dir / "session.json").read_text()
+    for text in (refused.stderr, failed.stderr, session):
+        assert "--api-key *** --hf-token=*** https://bob:***@example.com/ DB_PASSWORD=***" in text, text
+    holder.kill()
+    holder.wait()
+    assert box.service("restore").returncode == 0
+    written = [refused.stderr, failed.stderr, session, (box.state_dir / "downtime.json").read_text()]
+    assert box.downtime()[-1]["restore_attempts"]
+    assert not [secret for secret in SECRETS for text in written if secret in text]
+
+
+def test_drain_checks_the_gpus_an_inherited_cuda_visible_devices_names(box):
+    """The run inherits CUDA_VISIBLE_DEVICES=4,5,6,7: the drain frees those GPUs for a
+    4-GPU stage, and a process on GPU 0 is no obstacle (one on GPU 5 is)."""
+    box.start_unit()
+    elsewhere = box.hold_gpu(0, seconds=5)
+    inherited = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "4", run_env=inherited)
+    assert result.returncode == 0, result.stderr
+    assert box.session()["gpus"] == [4, 5, 6, 7]
+    in_the_way = box.hold_gpu(5)
+    refused = box.service("drain", "--stage", "evaluate_draft", "--gpus", "4", run_env=inherited)
+    assert refused.returncode == 1 and f"pid {in_the_way.pid} " in refused.stderr, refused.stderr
+    in_the_way.kill()
+    elsewhere.wait()
+    assert box.service("restore").returncode == 0
+
+
+def test_stage_wrapper_keeps_an_inherited_cuda_visible_devices(tmp_path):
+    """The user's CUDA_VISIBLE_DEVICES=4,5,6,7, drain off: a 2-GPU stage runs on 4,5."""
+    seen = tmp_path / "seen"
+    command = [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "2", "--",
+               "sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" > {seen}']
+    result = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and seen.read_text().strip() == "4,5", result.stderr
+    too_few = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "6"}, capture_output=True,
+                             text=True, timeout=60)
+    assert too_few.returncode == 1 and "names 1 GPU(s); the GPU stages need 2" in too_few.stderr
+
+
 def test_opt_in_kills_only_the_foreign_gpu_holders(box):
     box.start_unit()
     foreign = box.hold_gpu(5)
@@ -105,6 +161,41 @@ def test_opt_in_kills_only_the_foreign_gpu_holders(box):
     assert foreign.wait(timeout=10) == -signal.SIGTERM
     assert bystander.poll() is None, "a process without a GPU was killed"
     assert box.service("restore").returncode == 0
+
+
+def child_in_new_pid_namespace(box: FakeBox) -> int | None:
+    """A `sleep` in a pid namespace of its own (a container's process), or None where
+    this host does not allow one (unshare needs the privilege)."""
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "300"], start_new_session=True,
+                             stderr=subprocess.DEVNULL)
+    box.others.append(outer)
+    deadline_at = time.monotonic() + 10
+    while time.monotonic() < deadline_at and outer.poll() is None:
+        children = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.05)
+    return None
+
+
+def test_opt_in_kill_spares_jobs_of_any_run_and_other_pid_namespaces(box):
+    """kill_foreign_gpu_processes: a job of another run (another checkout's) or a process
+    of another pid namespace is named and never killed; production stays up."""
+    box.start_unit()
+    other_run = box.hold_gpu(2, env={"EAGLE3FLOW_RUN": "another-checkouts-run"})
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
+    assert result.returncode == 1 and "a job of eagle3flow run another-checkouts-run" in result.stderr, result.stderr
+    assert other_run.poll() is None, "a job of another run was killed"
+    other_run.kill()
+    other_run.wait()
+    contained = child_in_new_pid_namespace(box)
+    if contained is not None:
+        (box.gpus / "3").mkdir(exist_ok=True)
+        (box.gpus / "3" / str(contained)).write_text("1200")
+        result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
+        assert result.returncode == 1 and "another pid namespace" in result.stderr, result.stderr
+        assert alive(contained), "a process of another pid namespace was killed"
+    assert not box.calls("stop") and box.healthy()
 
 
 def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
@@ -156,6 +247,103 @@ def test_stage_end_restores_after_the_last_planned_stage_only(box):
     assert box.healthy() and box.downtime()[-1]["reason"] == "extract_hidden_states failed (rc=3)"
 
 
+def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int) -> subprocess.CompletedProcess:
+    """What the stage wrapper calls when a GPU job of the run ends."""
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
+         "--stage", stage, "--exit-code", str(rc)], env={**box.env, **run_env}, capture_output=True,
+        text=True, timeout=60)
+
+
+def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
+    """Someone starts the unit between extraction and training: training's drain, which
+    joins the run's session, stops it again (recorded) instead of training on its GPUs."""
+    box.start_unit()
+    run_env = box.live_run(["extract_hidden_states", "train_draft"])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=run_env).returncode == 0
+    assert "stays down for train_draft" in stage_ended(box, run_env, "extract_hidden_states", 0).stderr
+    box.start_unit()
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env)
+    assert result.returncode == 0, result.stderr
+    assert "was started again while drained" in result.stderr, result.stderr
+    assert not box.healthy() and not box.unit_pids()
+    assert not [p for p in box.gpus.glob("*/*") if alive(int(p.name))], "the GPUs are still held"
+    [started] = box.session()["external_starts"]
+    assert started["stage"] == "train_draft" and started["state"] == "active"
+    assert "registered" in result.stderr
+    assert stage_ended(box, run_env, "train_draft", 0).returncode == 0 and box.healthy()
+
+
+def test_runs_of_two_checkouts_share_the_units_session(box):
+    """Two checkouts (two results folders) drain the same unit: the second joins the
+    first's session (the unit was running before: it comes back), and the first run's
+    end does not start production under the second run's stage."""
+    box.start_unit()
+    folders = [box.root / name / "results" / "service" for name in ("checkout-a", "checkout-b")]
+    first = box.live_run(["extract_hidden_states"], service_dir=folders[0])
+    second = box.live_run(["train_draft"], service_dir=folders[1])
+    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=first).returncode == 0
+    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=second)
+    assert result.returncode == 0 and "joins its session" in result.stderr, result.stderr
+    session = box.session()
+    assert set(session["runs"]) == {first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]}
+    assert session["was_active"] is True and len(box.watchdogs()) == 2
+
+    ended = stage_ended(box, first, "extract_hidden_states", 0)
+    assert ended.returncode == 0 and "stays down" in ended.stderr and "train_draft" in ended.stderr, ended.stderr
+    assert not box.healthy() and len(box.calls("start")) == 1, "started under the second run's stage"
+    assert stage_ended(box, second, "train_draft", 0).returncode == 0 and box.healthy()
+    [record] = box.downtime()
+    assert record["run_ids"] == [first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]] and record["healthy"]
+    for folder in folders:   # each run's results folder has the cycle (the report reads it)
+        assert json.loads((folder / "downtime.json").read_text()) == [record]
+
+
+def test_restore_by_hand_from_anywhere_finds_the_session_and_waits_for_the_gpus(box, tmp_path):
+    """The operator's restore --config, run from another directory: it finds the unit's
+    session (not one under its working directory) and does not start the unit while a
+    process still holds a GPU."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    config = tmp_path / "workflow.yaml"
+    config.write_text(json.dumps({"paths": {"results": "results"}, "drain": box.settings(gpu_release_timeout_s=30)}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    holder = box.hold_gpu(3, seconds=3)
+    with deadline(90, "a restore by hand"):
+        result = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore",
+                                 "--config", str(REPO / "config.yaml"), "--config", str(config)],
+                                cwd=elsewhere, env=box.env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert holder.poll() is not None and box.starts()[-1]["gpu_holders"] == [], box.starts()
+    assert box.healthy() and box.session() is None
+    [record] = box.downtime()
+    assert record["stages"] == ["train_draft"] and record["healthy"]
+
+
+def test_restore_waits_for_the_gpus_without_holding_the_lock(box):
+    """While a restore waits for a job's GPUs, the next run registers at once, and its
+    drain waits for the restore, saying so, then drains afresh."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    run_env = box.live_run(["train_draft"])
+    job = box.hold_gpu(3, seconds=8, env=run_env)    # a job of that run, still exiting
+    restoring = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore", "--settings-json",
+                                  json.dumps(box.settings(gpu_release_timeout_s=60))],
+                                 env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    box.others.append(restoring)
+    wait_for(lambda: (box.state_dir / "restoring.json").exists(), 30, "the restore to wait for the GPUs")
+    with deadline(3, "registering a run while a restore waits for the GPUs"):
+        box.live_run(["evaluate_draft"])
+    with deadline(120, "a drain while a restore is under way"):
+        drained = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env)
+    assert drained.returncode == 0, drained.stderr
+    assert f"waiting for the restore of {UNIT} by pid {restoring.pid}" in drained.stderr, drained.stderr
+    assert restoring.wait(timeout=60) == 0 and job.poll() is not None
+    assert box.starts()[-1]["gpu_holders"] == [] and len(box.downtime()) == 1
+    assert not box.healthy() and box.session()["runs"], "the drain after the restore did not drain again"
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -193,6 +381,63 @@ def test_failed_restore_keeps_the_session_and_names_the_command(box):
     assert box.healthy() and box.session() is None
     [record] = box.downtime()
     assert record["healthy"] and len(record["restore_attempts"]) == 1
+
+
+def restore_command(box: FakeBox) -> str:
+    return f"python -m eagle3flow.ops.drain.service restore --state-dir {box.state_dir}"
+
+
+def test_hanging_systemctl_start_is_a_recorded_attempt_naming_the_command(box):
+    """systemd does not answer `systemctl start`: the restore records the attempt, keeps
+    the session and names the command, instead of dying with no trace."""
+    box.start_unit()
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
+    box.hang_systemctl("start")
+    with deadline(60, "a restore whose systemctl start hangs"):
+        result = box.service("restore", health_timeout_s=2)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"!!!   {restore_command(box)}" in result.stderr, result.stderr
+    [attempt] = box.session()["restore_attempts"]
+    assert "did not return within 2 s" in attempt["error"], attempt
+    box.hang_systemctl("start", False)
+    assert box.service("restore").returncode == 0 and box.healthy()
+
+
+def test_watchdog_retries_while_nvidia_smi_fails_and_restores_once_it_answers(box):
+    """nvidia-smi fails right when the run dies: the watchdog records it, does not start
+    the unit on GPUs nobody could check, and restores once nvidia-smi answers again."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    run = box.others[-1]
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    [watchdog] = box.watchdogs()
+    box.break_nvidia_smi()
+    run.kill()
+    run.wait()
+    failed = lambda: any("Unknown Error" in a["error"] for a in (box.session() or {}).get("restore_attempts", []))
+    wait_for(failed, 30, "the watchdog to record the failing nvidia-smi")
+    assert alive(watchdog), (box.state_dir / "watchdog.log").read_text()
+    assert len(box.calls("start")) == 1, "the unit was started on GPUs nobody could check"
+    box.break_nvidia_smi(False)
+    wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
+    assert box.healthy() and box.downtime()[-1]["restore_attempts"]
+
+
+def test_stage_wrapper_keeps_the_stage_status_when_the_restore_fails(box):
+    """nvidia-smi fails when the last stage ends: its restore fails loudly, naming the
+    command, and the job's status stays the stage's own."""
+    box.start_unit()
+    run_env = box.live_run(["train_draft"])
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    box.break_nvidia_smi()
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle3flow.ops.drain.gpu_stage", "--stage", "train_draft", "--gpus", "8", "--drain",
+         "--state-dir", str(box.state_dir), "--", "sh", "-c", "exit 3"],
+        env={**box.env, **run_env}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "!!! train_draft: the unit could not be restored" in result.stderr
+    assert restore_command(box) in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert box.session()["restore_attempts"] and len(box.calls("start")) == 1
 
 
 def test_restore_waits_until_the_gpus_are_free(box):
@@ -264,7 +509,7 @@ def test_stale_session_of_a_dead_run_is_reconciled_not_reused(box):
     assert result.returncode == 0, result.stderr
     session = box.session()
     assert session["stopped_at"] >= t0 - 1, "downtime measured from the old session's stop"
-    assert session["watchdog_pid"] and alive(session["watchdog_pid"]), "no watchdog for this drain"
+    assert [w for w in box.watchdogs() if alive(w)], "no watchdog for this drain"
     [reconciled] = box.downtime()
     assert "reconciled" in reconciled["reason"] and reconciled["healthy"], reconciled
     assert reconciled["stopped_at"] == datetime.fromtimestamp(stopped, timezone.utc).isoformat(timespec="seconds")
@@ -406,7 +651,6 @@ def fresh_run(upstream: Path, tmp_path: Path, **drain):
     box = FakeBox(tmp_path / "box")
     workdir = tmp_path / "wf"
     shutil.copytree(upstream, workdir, symlinks=True)
-    box.state_dir = workdir / "results" / "service"  # where the rules keep it
     box.start_unit()
     return box, workdir, tiny_config(box, tmp_path / "tiny.json", **drain)
 
@@ -438,7 +682,7 @@ def test_workflow_drains_once_restores_after_training_and_reruns_without_touchin
         assert "=== service downtime" in output and f"{UNIT} down {record['downtime_s']} s" in output
         assert "stays down for train_draft" in (workdir / "logs" / "extract_hidden_states_0.log").read_text()
         assert not list((workdir / "results" / "service").glob("*.flag")), "temp flags removed"
-        assert not (workdir / "results" / "service" / "session.json").exists()
+        assert box.session() is None
 
         # Everything cached: no drain job, and the service is not touched at all.
         calls = (box.systemd / "calls.log").read_text()
@@ -490,7 +734,7 @@ def test_failed_extraction_brings_the_unit_back(upstream, tmp_path):
         assert box.healthy() and len(box.calls("stop")) == 1 and len(box.calls("start")) == 1 + 1
         [record] = box.downtime()
         assert record["reason"].startswith("extract_hidden_states failed (rc=") and record["healthy"]
-        assert not (workdir / "results" / "service" / "session.json").exists()
+        assert box.session() is None
         assert not (workdir / "results" / "hidden_states" / "train" / "manifest.json").exists()
     finally:
         box.close()
@@ -504,14 +748,14 @@ def test_sigkilled_workflow_is_restored_by_the_watchdog(upstream, tmp_path):
         proc = start_snakemake(workdir, *snakemake_args(workdir, config), "--until", "train_draft",
                                log=log, PATH=box.env["PATH"], FAKE_SYSTEMD_DIR=box.env["FAKE_SYSTEMD_DIR"],
                                FAKE_GPU_DIR=box.env["FAKE_GPU_DIR"], EAGLE3FLOW_TEST_SHARD_DELAY="30")
-        session = workdir / "results" / "service" / "session.json"
+        session = box.state_dir / "session.json"
         extract_log = workdir / "logs" / "extract_hidden_states_0.log"
         deadline = time.monotonic() + 120
         while not (session.exists() and extract_log.exists() and "watchdog_pid" in session.read_text()):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        watchdog = json.loads(session.read_text())["watchdog_pid"]
+        [watchdog] = box.watchdogs()
         assert not box.healthy()
         os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its jobs: no onerror runs
         proc.wait()

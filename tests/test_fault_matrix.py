@@ -120,7 +120,8 @@ class Scenario:
         self.box = FakeBox(tmp_path / "box")
         self.workdir = tmp_path / "wf"
         shutil.copytree(upstream, self.workdir, symlinks=True)
-        self.box.state_dir = self.workdir / "results" / "service"
+        # This run's drain flags and downtime copy (the unit's session is in box.state_dir).
+        self.service_dir = self.workdir / "results" / "service"
         self.box.start_unit()
         drain = {**WATCHDOG, **sections.pop("drain", {})}
         self.config = tiny_config(self.box, tmp_path / "tiny.json", **drain)
@@ -183,11 +184,11 @@ class Scenario:
         return self.box.healthy() and self.session() is None
 
     def run_gone(self) -> bool:
-        """No process carries the token of the run that plan.json names (its jobs have ended)."""
-        from eagle3flow.procfs import pids_with_env
+        """No process of this scenario's box carries a run's token (the jobs have ended)."""
+        from eagle3flow.procfs import environ, pids
 
-        plan = json.loads((self.box.state_dir / "plan.json").read_text())
-        return not pids_with_env("EAGLE3FLOW_RUN", plan["run_id"])
+        return not [pid for pid in pids() if (env := environ(pid) or {}).get("EAGLE3FLOW_RUN")
+                    and env.get("FAKE_GPU_DIR") == str(self.box.gpus)]
 
     def wait_restored(self, what: str, timeout: float = 120) -> None:
         """The unit back, the session closed, every process of the killed run gone."""
@@ -206,7 +207,7 @@ class Scenario:
 
     def consistent(self, session_expected: bool = False) -> tuple[bool, str]:
         locks = sorted(p.name for p in (self.workdir / ".snakemake" / "locks").glob("*.lock"))
-        flags = sorted(p.name for p in self.box.state_dir.glob("drained_for_*.flag"))
+        flags = sorted(p.name for p in self.service_dir.glob("drained_for_*.flag"))
         session = self.session() is not None
         ok = not locks and not flags and session == session_expected
         return ok, ("consistent" if ok else f"locks {locks}, flags {flags}, session {session}")
@@ -444,7 +445,8 @@ def test_stale_session_after_a_reboot(scenario):
     (state / "session.json").write_text(json.dumps({
         "unit": UNIT, "run_id": "dead-run", "stopped_at": stopped, "stages": ["extract_hidden_states"],
         "ended": [], "was_active": True, **previous, "settings": sc.box.settings(), "watchdog_pid": None}))
-    (state / "drained_for_extract_hidden_states.0.flag").write_text("{}")
+    sc.service_dir.mkdir(parents=True, exist_ok=True)
+    (sc.service_dir / "drained_for_extract_hidden_states.0.flag").write_text("{}")
     locks = sc.workdir / ".snakemake" / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     (locks / "0.output.lock").write_text("results/hidden_states/train/part-0-of-1.json\n")

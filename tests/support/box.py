@@ -49,14 +49,16 @@ class FakeBox:
                     "PATH": f"{FIXTURES}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
                     "FAKE_GPU_PROGRAMS": GPU_PROGRAMS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.env.pop("EAGLE3FLOW_RUN", None)
-        self.state_dir = root / "state"
+        # The host's drain state (drain.state_dir) and the unit's folder in it.
+        self.state_root = root / "drain-state"
+        self.state_dir = self.state_root / UNIT
         self.others: list[subprocess.Popen] = []
 
     def settings(self, **overrides) -> dict:
         # check_gpu_environment off: the stand-in GPUs are driven by the CPU torch on purpose
         # (the tests that turn it on show that a real box in that state is refused).
         return {"enabled": True, "unit": UNIT, "health_url": f"http://127.0.0.1:{self.port}/health",
-                "cgroup_root": str(self.systemd / "cgroup"), "stop_timeout_s": 3,
+                "state_dir": str(self.state_root), "cgroup_root": str(self.systemd / "cgroup"), "stop_timeout_s": 3,
                 "gpu_release_timeout_s": 3, "health_timeout_s": 20, "poll_interval_s": 0.1,
                 "watchdog_poll_s": 0.3, "check_gpu_environment": False, **overrides}
 
@@ -65,24 +67,28 @@ class FakeBox:
 
     def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", *args,
-                               "--settings-json", json.dumps(self.settings(**overrides)),
-                               "--state-dir", str(self.state_dir)],
+                               "--settings-json", json.dumps(self.settings(**overrides))],
                               env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
 
-    def live_run(self, stages: list[str]) -> dict:
-        """A live process standing for this run's Snakemake main process, with the plan
-        onstart writes for it; returns the environment its jobs get (its run token)."""
+    def live_run(self, stages: list[str], service_dir: Path | None = None) -> dict:
+        """A live process standing for a run's Snakemake main process, registered with the
+        unit as onstart registers it (its results in ``service_dir``); returns the
+        environment its jobs get (its run token)."""
         from eagle3flow.ops.drain.state import write_plan
 
         run = subprocess.Popen(["sleep", "300"])
         self.others.append(run)
-        write_plan(str(self.state_dir), stages, run.pid)
-        plan = json.loads((self.state_dir / "plan.json").read_text())
-        return {"EAGLE3FLOW_RUN": str(plan.get("run_id"))}
+        plan = write_plan(self.settings(), str(service_dir or self.root / "results" / "service"), stages, run.pid)
+        return {"EAGLE3FLOW_RUN": plan["run_id"]}
 
     def session(self) -> dict | None:
         path = self.state_dir / "session.json"
         return json.loads(path.read_text()) if path.exists() else None
+
+    def watchdogs(self) -> list[int]:
+        """The watchdogs of the runs in the open session."""
+        return [entry["watchdog_pid"] for entry in (self.session() or {}).get("runs", {}).values()
+                if entry.get("watchdog_pid")]
 
     def start_unit(self) -> None:
         assert self.systemctl("start", UNIT).returncode == 0
@@ -123,15 +129,27 @@ class FakeBox:
         flag = self.root / "unit-broken"
         flag.touch() if broken else flag.unlink(missing_ok=True)
 
+    def break_nvidia_smi(self, broken: bool = True) -> None:
+        """nvidia-smi fails (NVML's "Unknown Error", exit 9) until repaired."""
+        flag = self.gpus / "broken"
+        flag.touch() if broken else flag.unlink(missing_ok=True)
+
+    def hang_systemctl(self, verb: str, hanging: bool = True) -> None:
+        """`systemctl <verb>` hangs (a systemd that does not answer) until released."""
+        flag = self.systemd / f"hang-{verb}"
+        flag.touch() if hanging else flag.unlink(missing_ok=True)
+
     def downtime(self) -> list[dict]:
         path = self.state_dir / "downtime.json"
         return json.loads(path.read_text()) if path.exists() else []
 
-    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None) -> subprocess.Popen:
+    def hold_gpu(self, index: int | list[int], seconds: float = 300, env: dict | None = None,
+                 args: tuple[str, ...] = ()) -> subprocess.Popen:
         """A process outside the unit with a context on fake GPU(s) `index` for `seconds`
-        (a foreign one, or with a run's `env` one of that run's jobs)."""
-        proc = subprocess.Popen(["sleep", str(seconds)], start_new_session=True,
-                                env={**self.env, **(env or {})})
+        (a foreign one, or with a run's `env` one of that run's jobs), `args` on its command line."""
+        proc = subprocess.Popen(["sleep", str(seconds), *args] if not args else
+                                [sys.executable, "-c", f"import time; time.sleep({seconds})", *args],
+                                start_new_session=True, env={**self.env, **(env or {})})
         self.others.append(proc)
         for i in [index] if isinstance(index, int) else index:
             (self.gpus / str(i)).mkdir(exist_ok=True)
@@ -139,11 +157,9 @@ class FakeBox:
         return proc
 
     def close(self) -> None:
-        # Only what this test started: a watchdog still waiting, the unit's group, helpers.
-        session = self.state_dir / "session.json"
-        if session.exists():
-            watchdog = json.loads(session.read_text()).get("watchdog_pid")
-            if watchdog and alive(watchdog):
+        # Only what this test started: watchdogs still waiting, the unit's group, helpers.
+        for watchdog in self.watchdogs():
+            if alive(watchdog):
                 os.kill(watchdog, signal.SIGKILL)
         pgid_file = self.systemd / "run" / f"{UNIT}.pgid"
         if pgid_file.exists() and self.unit_pids():

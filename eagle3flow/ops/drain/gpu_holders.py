@@ -11,6 +11,7 @@ import pwd
 import subprocess
 from dataclasses import dataclass
 
+from eagle3flow.ops.drain.redact import redact
 from eagle3flow.procfs import cmdline, owner_uid
 
 
@@ -71,7 +72,9 @@ def gpu_processes(nvidia_smi: str, gpu_indices: list[int] | None = None) -> list
 
 
 def describe_process(pid: int) -> str:
-    """'pid 123 (user alice): python train.py' or a note that it cannot be seen from here."""
+    """'pid 123 (user alice): python train.py' or a note that it cannot be seen from here;
+    secrets in the command line (--api-key ..., user:password@) masked: it goes into
+    messages, the session, the downtime records and the report."""
     uid, command = owner_uid(pid), cmdline(pid)
     if uid is None or command is None:
         return f"pid {pid} (not visible from here: another pid namespace, e.g. a container)"
@@ -79,4 +82,4 @@ def describe_process(pid: int) -> str:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = str(uid)
-    return f"pid {pid} (user {user}): {command or '[kernel thread]'}"
+    return f"pid {pid} (user {user}): {redact(command) or '[kernel thread]'}"

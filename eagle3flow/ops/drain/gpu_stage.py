@@ -1,14 +1,15 @@
 """The one command of every GPU rule: run the stage, record its real status, release the drain.
 
     python -m eagle3flow.ops.drain.gpu_stage --stage extract_hidden_states --gpus 8 \\
-        [--drain --state-dir results/service] --log logs/x.log -- python -m eagle3flow.extract ...
+        [--drain --state-dir /var/lib/eagle3flow/drain/<unit>] --log logs/x.log -- python -m eagle3flow.extract ...
 
 * The stage sees GPUs 0..N-1 numbered as nvidia-smi numbers them
   (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, ``CUDA_VISIBLE_DEVICES=0..N-1``: the ones the drain
-  freed); under SLURM the devices it allocated are kept.
+  freed), or the first N of a CUDA_VISIBLE_DEVICES it inherits (the drain checks the
+  same ones); under SLURM the devices it allocated are kept.
 * With ``--drain`` it refuses to start unless the unit is drained for this very run:
-  ``session.json`` exists and names the live run whose token ($EAGLE3FLOW_RUN) this
-  job carries.
+  the unit's ``session.json`` exists and lists the live run whose token
+  ($EAGLE3FLOW_RUN) this job carries.
 * The stage runs in its own process group, with this job's token
   ($EAGLE3FLOW_JOB = this wrapper) in its environment, under a small guard (``--guard``,
   the group's leader) that gets SIGTERM when this wrapper dies (PR_SET_PDEATHSIG) and
@@ -36,9 +37,10 @@ import threading
 import time
 
 from eagle3flow.ops.drain.cycle import stage_ended
-from eagle3flow.ops.drain.state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command,
-                                        session_verdict, settings_of)
-from eagle3flow.procfs import live_group_members, signal_on_parent_death, start_ticks
+from eagle3flow.ops.drain.gpus import job_devices
+from eagle3flow.ops.drain.state import (JOB_ENV, RUN_ENV, ServiceError, State, restore_command, run_record,
+                                        session_runs, settings_of)
+from eagle3flow.procfs import live_group_members, signal_on_parent_death, start_ticks, verdict
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long the stage's group may take to exit after its main process did (or after a
@@ -141,16 +143,19 @@ def _group_alive(pgid: int, but: int | None = None) -> bool:
 
 
 def stage_environment(gpus: int, base: dict | None = None) -> dict:
+    """The stage's environment: its GPUs (job_devices; SLURM's allocation as it is)."""
     env = dict(os.environ if base is None else base)
     if gpus > 0:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if not env.get("SLURM_JOB_ID"):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(job_devices(gpus, env))
     return env
 
 
-def drain_refusal(state_dir: str) -> str | None:
+def drain_refusal(state_dir: str | None) -> str | None:
     """Why a drained stage must not start here, or None (the unit is drained for this live run)."""
+    if not state_dir:
+        return "drain.unit is not set: the drain_service job in front of this stage says what to set"
     state = State(state_dir)
     token = os.environ.get(RUN_ENV)
     try:
@@ -160,16 +165,18 @@ def drain_refusal(state_dir: str) -> str | None:
     if session is None:
         return (f"the service is not drained ({state.session} missing): rerun the workflow, whose "
                 "drain_service job stops the unit first")
-    if not token or session.get("run_id") != token:
-        return (f"the service is drained by another run ({session.get('run_id')}), not by this one "
+    runs = session_runs(session)
+    if not token or token not in runs:
+        return (f"the service is drained by another run ({', '.join(runs) or 'by hand'}), not by this one "
                 f"({token}); if that run is gone: {restore_command(state)}, then rerun the workflow")
-    alive, why = session_verdict(session)
+    alive, why = verdict(run_record(runs[token]))
     if alive == "dead":
         return f"the run holding the drain is dead ({why}); rerun the workflow"
     return None
 
 
-def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_path: str | None) -> int:
+def run(stage: str, gpus: int, command: list[str], drained: bool, state_dir: str | None,
+        log_path: str | None) -> int:
     tee = Tee(log_path)
     sys.stderr = tee                            # this module's and the drain's messages
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -177,12 +184,16 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
     def say(message: str) -> None:
         print(f"[gpu_stage {time.strftime('%H:%M:%S')}] {message}", file=tee, flush=True)
 
-    if state_dir:
+    if drained:
         refusal = drain_refusal(state_dir)
         if refusal:
             say(f"{stage}: not started: {refusal}")
             return 1
-    env = stage_environment(gpus)
+    try:
+        env = stage_environment(gpus)
+    except ServiceError as error:
+        say(f"{stage}: not started: {error}")
+        return 1
     env[JOB_ENV] = f"{os.getpid()}:{start_ticks(os.getpid())}"
     received: list[int] = []
     child: subprocess.Popen | None = None
@@ -234,7 +245,7 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
         reader.join(timeout=5)
     if received:
         say(f"{stage}: received {signal.Signals(received[0]).name}; the stage exited with rc={rc}")
-    if state_dir:
+    if drained:
         state = State(state_dir)
         try:
             session = state.read(state.session)
@@ -243,8 +254,11 @@ def run(stage: str, gpus: int, command: list[str], state_dir: str | None, log_pa
                 say(f"{stage} ended (rc={rc}); the unit is not drained (nothing to restore)")
             else:
                 stage_ended(settings, state_dir, stage, rc)
-        except ServiceError as error:
+        except ServiceError as error:   # it names the command to run
             say(f"!!! {stage}: the unit could not be restored: {error}")
+        except Exception as error:  # whatever else fails, the stage's status stands and the failure is loud
+            say(f"!!! {stage}: the unit could not be restored: {error!r}\n"
+                f"!!! once the cause is fixed: {restore_command(state)}")
     return rc
 
 
@@ -259,15 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.drain.gpu_stage",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--stage", required=True, help="the rule (a drained stage: DRAINED_STAGES)")
-    parser.add_argument("--gpus", type=int, default=0, help="the stage uses GPUs 0..N-1 (0: none)")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="the stage uses N GPUs: 0..N-1, or the first N of CUDA_VISIBLE_DEVICES (0: none)")
     parser.add_argument("--drain", action="store_true", help="the unit is drained for this stage")
-    parser.add_argument("--state-dir", default="results/service", help="the drain's state (with --drain)")
+    parser.add_argument("--state-dir", default=None, help="the unit's state folder (with --drain)")
     parser.add_argument("--log", default=None, help="the rule's log file")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command:
         parser.error("no command after --")
-    return run(args.stage, args.gpus, command, args.state_dir if args.drain else None, args.log)
+    return run(args.stage, args.gpus, command, args.drain, args.state_dir, args.log)
 
 
 if __name__ == "__main__":

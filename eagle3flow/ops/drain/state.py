@@ -1,13 +1,26 @@
-"""The drain's shared ground: its settings, its state files and the runs that hold it.
+"""The drain's shared ground: its settings, the unit's state and the runs that hold it.
 
-State lives in ``<results>/service/`` (docs/service.md): ``session.json`` while the unit
-is drained (its presence means "we stopped it"; it names the run that did, with the boot
-id, so a session of a dead run, e.g. after a reboot, is reconciled with the unit's real
-state instead of reused), ``plan.json`` (the run and the drained stages it will run),
-``downtime.json`` (one record per cycle) and ``watchdog.log``.
+The state belongs to the unit, not to a checkout: one directory per unit on the host,
+``<drain.state_dir>/<unit>/`` (:func:`unit_state_dir`; default ``/var/lib/eagle3flow/drain``,
+docs/service.md), the same for every checkout, results directory and working directory,
+read and written under one lock:
+
+* ``session.json`` while the unit is drained (its presence means "we stopped it"): the
+  unit's state before the first drain, the GPUs, and every run that drained it
+  (``runs``: each run's identity, its planned GPU stages and ended jobs, its watchdog,
+  whether it released the unit), with the boot id, so that a session whose runs are all
+  dead (after a reboot, say) is reconciled with the unit's real state instead of reused;
+* ``runs/<run id>.json``: each run registered by its onstart (the drained stages it will
+  run, its ``<results>/service`` folder), until it ends;
+* ``restoring.json`` while a restore waits for the GPUs and the unit's health, which it
+  does without the lock: drains and other restores wait for it (and say so), every
+  other step (a run registering, a stage ending) goes on;
+* ``downtime.json``: one record per cycle on this host; each record also goes to
+  ``<results>/service/downtime.json`` of every run of its cycle (the report reads it);
+* ``watchdog.log``.
 
 Runs are told apart by a token: onstart sets ``$EAGLE3FLOW_RUN`` in Snakemake's
-environment (the run id of ``plan.json``), so every job of the run and everything it
+environment (the run id it registers), so every job of the run and everything it
 starts (torchrun ranks, vLLM engine processes) carries it, through reparenting and
 setsid; the stage wrapper (eagle3flow/ops/drain/gpu_stage.py) adds ``$EAGLE3FLOW_JOB`` (itself).
 """
@@ -42,6 +55,9 @@ JOB_ENV = "EAGLE3FLOW_JOB"
 # their one home); used when this module is called by hand with --config.
 DEFAULTS = schema_defaults("drain")
 ACTIVE_STATES = ("active", "activating", "reloading")
+# Where the units' state lives when drain.state_dir is null: the same for every run on
+# the host, and kept across a reboot (a session a reboot cut short is reconciled).
+DEFAULT_STATE_ROOT = "/var/lib/eagle3flow/drain"
 
 
 class ServiceError(RuntimeError):
@@ -62,6 +78,21 @@ def settings_of(drain_config: dict) -> dict:
     return settings
 
 
+def unit_state_dir(settings: dict) -> Path:
+    """The unit's state folder: one per unit on the host, wherever a run lives (a user
+    unit, ``systemctl --user``, is one per user)."""
+    unit = settings.get("unit")
+    if not unit:
+        raise ServiceError("drain.unit is not set: put the systemd unit that serves the target (e.g. "
+                           "vllm-kimi-k25-int4.service) in profiles/local-8gpu/workflow.yaml or config.yaml")
+    root = settings.get("state_dir") or DEFAULT_STATE_ROOT
+    if not os.path.isabs(root):
+        raise ServiceError(f"drain.state_dir must be an absolute path, not {root!r}: every run and "
+                           "command on the host must find the unit's one session")
+    owner = f"user-{os.getuid()}-" if "--user" in settings["systemctl"] else ""
+    return Path(root) / (owner + unit.replace("/", "_"))
+
+
 def iso_time(epoch: float | None) -> str | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="seconds")
 
@@ -74,24 +105,36 @@ def restore_command(state: "State") -> str:
 # --- state files ---------------------------------------------------------------------
 
 class State:
-    """The files of <results>/service/, read and written under one lock."""
+    """The files of one unit's state folder, read and written under one lock."""
 
     def __init__(self, state_dir: str | os.PathLike):
         self.dir = Path(state_dir).absolute()
         self.session = self.dir / "session.json"
-        self.plan = self.dir / "plan.json"
         self.downtime = self.dir / "downtime.json"
         self.watchdog_log = self.dir / "watchdog.log"
+        self.runs = self.dir / "runs"
+        # A restore under way (it waits for the GPUs and the unit's health unlocked).
+        self.restoring = self.dir / "restoring.json"
+
+    def make(self) -> None:
+        try:
+            self.runs.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ServiceError(
+                f"cannot create the unit's state folder {self.dir} ({error}): create its parent once, "
+                f"writable for every user who runs the workflow (e.g. sudo install -d -m 2775 -g <group> "
+                f"{self.dir.parent}), or set drain.state_dir (docs/service.md)") from error
 
     @contextmanager
     def locked(self):
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        self.make()
+        # Read-only is enough for flock: another user's lock file (mode 644) still locks.
+        fd = os.open(self.dir / ".lock", os.O_RDONLY | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def read(self, path: Path):
         try:
@@ -102,14 +145,26 @@ class State:
             raise ServiceError(f"{path}: not valid JSON ({error}); delete it after checking the unit") from error
 
     def write(self, path: Path, value) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.make()
         write_text(path, json.dumps(value, indent=1) + "\n")
 
     def downtime_records(self) -> list[dict]:
         return self.read(self.downtime) or []
 
-    def add_record(self, record: dict) -> None:
+    def add_record(self, record: dict, service_dirs=()) -> None:
+        """The host's record of the cycle, and each run's copy in its results folder."""
         self.write(self.downtime, self.downtime_records() + [record])
+        for folder in sorted(set(service_dirs)):
+            path = Path(folder) / "downtime.json"
+            try:
+                earlier = json.loads(path.read_text()) if path.exists() else []
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_text(path, json.dumps(earlier + [record], indent=1) + "\n")
+            except (OSError, ValueError) as error:
+                log(f"could not add the downtime record to {path} ({error}); it is in {self.downtime}")
+
+    def run_file(self, run_id: str) -> Path:
+        return self.runs / f"{run_id}.json"
 
 
 # --- runs ----------------------------------------------------------------------------
@@ -120,44 +175,82 @@ def run_id_of(pid: int) -> str:
     return f"{(boot_id() or 'noboot')[:8]}-{pid}-{start_ticks(pid)}"
 
 
-def write_plan(state_dir: str, stages: list[str], snakemake_pid: int, run_id: str | None = None) -> dict:
-    """Called by the Snakefile's onstart: the run (its Snakemake main process) and the
-    drained stages it will run, one entry per job (the unit stays down until the last
-    job of the last stage has ended). Returns the plan; its ``run_id`` is the token
-    ($EAGLE3FLOW_RUN) the run's jobs carry."""
-    state = State(state_dir)
+def write_plan(drain_config: dict, service_dir: str, stages: list[str], snakemake_pid: int,
+               run_id: str | None = None) -> dict:
+    """Called by the Snakefile's onstart: register the run (its Snakemake main process, its
+    results' service folder) with the unit, and the drained stages it will run, one entry
+    per job (the unit stays down until the last job of the last stage has ended).
+    Returns the plan; its ``run_id`` is the token ($EAGLE3FLOW_RUN) the run's jobs carry."""
+    state = State(unit_state_dir(settings_of(drain_config)))
     plan = {"run_id": run_id or run_id_of(snakemake_pid), "snakemake_pid": snakemake_pid,
             "snakemake_start": start_ticks(snakemake_pid), "boot_id": boot_id(),
             "host": socket.gethostname(), "pid_ns": pid_namespace("self"), "user": getpass.getuser(),
-            "stages": sorted(stages), "written_at": iso_time(time.time())}
+            "stages": sorted(stages), "service_dir": str(Path(service_dir).absolute()),
+            "written_at": iso_time(time.time())}
     with state.locked():
-        state.write(state.plan, plan)
+        for path in state.runs.glob("*.json"):
+            _drop_if_gone(state, path)
+        state.write(state.run_file(plan["run_id"]), plan)
     return plan
 
 
+def _drop_if_gone(state: State, path: Path) -> None:
+    """Forget a registered run that is provably dead and whose jobs have all ended."""
+    try:
+        record = state.read(path) or {}
+    except ServiceError:
+        record = {}
+    if verdict(run_record(record))[0] == "dead" and not run_pids([record.get("run_id")]):
+        path.unlink(missing_ok=True)
+
+
+def unregister_run(state: State, run_id: str | None) -> None:
+    """onsuccess/onerror: the run has ended."""
+    if run_id:
+        state.run_file(run_id).unlink(missing_ok=True)
+
+
 def run_record(record: dict) -> dict:
-    """The Snakemake main process a plan or session names, as procfs.verdict reads it
+    """The Snakemake main process a plan or a session names, as procfs.verdict reads it
     (an old record without a host was written on this one: the state dir is local)."""
     return {"host": record.get("host") or socket.gethostname(), "boot_id": record.get("boot_id"),
             "pid_ns": record.get("pid_ns"), "pid": record.get("snakemake_pid"),
             "start_ticks": record.get("snakemake_start"), "user": record.get("user")}
 
 
+def session_runs(session: dict) -> dict[str, dict]:
+    """The runs that drained the unit in this session: {run id: entry} (an entry added
+    here is the session's)."""
+    return session.setdefault("runs", {})
+
+
 def session_verdict(session: dict) -> tuple[str, str]:
-    """("dead" | "alive" | "unknown", why) of the run that holds a session. A session
-    drained by hand (no run) is "unknown" unless it is from another boot."""
-    return verdict(run_record(session))
+    """("dead" | "alive" | "unknown", why) of the runs that hold a session: alive while any
+    of them is, dead only when all provably are. A session drained by hand (no run) is
+    "unknown" unless it is from another boot."""
+    runs = session_runs(session)
+    if not runs:
+        return verdict(run_record(session))
+    verdicts = [(v, f"run {run_id}: {why}") for run_id, entry in runs.items()
+                for v, why in [verdict(run_record(entry))]]
+    for wanted in ("alive", "unknown"):
+        found = [why for v, why in verdicts if v == wanted]
+        if found:
+            return wanted, "; ".join(found)
+    return "dead", "; ".join(why for _, why in verdicts)
 
 
 def this_run(state: State) -> dict | None:
-    """The plan of the live run this process is a job of (its token is the plan's), or None
-    (called by hand, or a plan of another run)."""
+    """The registered plan of the live run this process is a job of (its token), or None
+    (called by hand, or a token no live run registered)."""
     token = os.environ.get(RUN_ENV)
+    if not token:
+        return None
     try:
-        plan = state.read(state.plan) or {}
+        plan = state.read(state.run_file(token))
     except ServiceError:
         return None
-    if token and plan.get("run_id") == token and verdict(run_record(plan))[0] != "dead":
+    if plan and plan.get("run_id") == token and verdict(run_record(plan))[0] != "dead":
         return plan
     return None
 
@@ -189,6 +282,11 @@ def format_downtime(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_summary(state_dir: str, snakemake_pid: int) -> str:
-    records = [r for r in State(state_dir).downtime_records() if r.get("snakemake_pid") == snakemake_pid]
-    return format_downtime(records)
+def run_summary(service_dir: str, run_id: str | None) -> str:
+    """The cycles a run took part in, from its results' copy of the records."""
+    path = Path(service_dir) / "downtime.json"
+    try:
+        records = json.loads(path.read_text()) if path.exists() else []
+    except (OSError, ValueError):
+        return ""
+    return format_downtime([r for r in records if run_id in r.get("run_ids", [r.get("run_id")])])

@@ -24,6 +24,10 @@ def systemctl(settings: dict, *args: str, timeout: float = 60) -> subprocess.Com
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except FileNotFoundError as error:
         raise ServiceError(f"{command[0]} not found (drain.systemctl)") from error
+    except subprocess.TimeoutExpired as error:
+        # A hung systemd (or sudo asking for a password) is a failed step like any other:
+        # the callers record it and retry; it must never end them.
+        raise ServiceError(f"`{' '.join(command)}` did not return within {timeout:.0f} s") from error
 
 
 def unit_properties(settings: dict) -> dict:
