@@ -140,6 +140,13 @@ def dataset_input():
     return []
 
 
+def optional_flag(flag, value):
+    """``flag value`` shell-quoted, or nothing for a path or name that is not set (None,
+    '', an absent input): Snakemake's {x:q} leaves '' out, which would hand the flag the
+    next argument."""
+    return shlex.join([flag, str(value)]) if value else ""
+
+
 def json_arg_of(value):
     """A config value as one shell-quoted JSON argument."""
     return shlex.quote(json.dumps(value, sort_keys=True))

@@ -23,5 +23,5 @@ rule drain_service:
         "../envs/service.yaml"
     shell:
         "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
-        " --settings-json {params.settings} --state-dir {params.state_dir} --flag {output.flag}"
-        " 2>&1 | tee {log}"
+        " --settings-json {params.settings} --state-dir {params.state_dir:q} --flag {output.flag:q}"
+        " 2>&1 | tee {log:q}"

@@ -39,11 +39,11 @@ rule extract_hidden_states:
         # the environment is the one the plan expects (eagle3flow/ops/plan/ extract_backend).
         "../envs/vllm.yaml" if plan_lib.extract_backend(config) == "vllm" else "../envs/train.yaml"
     shell:
-        "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache}"
+        "{params.gpu_stage} --log {log:q} --"
+        " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache:q}"
         " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
-        " --split-name train --dataset {input.train} --manifest {output.train}"
-        " --split-name eval --dataset {input.eval} --manifest {output.eval}"
+        " --split-name train --dataset {input.train:q} --manifest {output.train:q}"
+        " --split-name eval --dataset {input.eval:q} --manifest {output.eval:q}"
         " --dtype {params.cfg[dtype]} --storage-dtype {params.cfg[storage_dtype]}"
         " --device {params.cfg[device]} --backend {params.cfg[backend]}{params.tp}"
         " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
@@ -67,5 +67,5 @@ rule merge_hidden_states:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m eagle3flow.extract.shards merge --part {input.train} --manifest {output.train}"
-        " --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"
+        "python -m eagle3flow.extract.shards merge --part {input.train:q} --manifest {output.train:q}"
+        " --part {input.eval:q} --manifest {output.eval:q} 2>&1 | tee {log:q}"

@@ -32,13 +32,8 @@ rule regenerate_responses:
         dataset=config["dataset"],
         template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
         max_samples=config["dataset"]["max_samples"] or 0,
-        # No URL on a built-in target: serve the target for the job's duration.
-        serve=(
-            f"--serve-target {TARGET} --server-log {LOGS}/regenerate_server.log"
-            + (f" --vllm-python {config['evaluate']['vllm_python']}" if config["evaluate"]["vllm_python"] else "")
-            if not REGENERATE_URL
-            else ""
-        ),
+        server_log=f"{LOGS}/regenerate_server.log",
+        vllm_python=optional_flag("--vllm-python", config["evaluate"]["vllm_python"]),
     log:
         f"{LOGS}/regenerate_responses.log",
     benchmark:
@@ -47,10 +42,11 @@ rule regenerate_responses:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
-        " --out-dir {params.out_dir} --cache-root {params.cache} --config-json {params.cfg}"
+        " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
         " --format {params.dataset[format]} --seed {params.dataset[seed]}"
         " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
-        " {params.serve} 2>&1 | tee {log}"
+        " --serve-target {input.target:q} --server-log {params.server_log:q} {params.vllm_python}"
+        " 2>&1 | tee {log:q}"
 
 
 rule train_original_answers_draft:
@@ -77,5 +73,5 @@ rule train_original_answers_draft:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
-        " --target {input.target:q} --dataset {params.source:q} --results {params.results}"
-        " --cache {params.cache} --logs {params.logs} --cores {threads} 2>&1 | tee {log}"
+        " --target {input.target:q} --dataset {params.source:q} --results {params.results:q}"
+        " --cache {params.cache:q} --logs {params.logs:q} --cores {threads} 2>&1 | tee {log:q}"

@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="dataset.seed (the processing order)")
     parser.add_argument("--max-samples", type=int, default=None, help="dataset.max_samples; 0 = all")
     parser.add_argument("--chat-template-kwargs", type=json.loads, default={})
-    parser.add_argument("--serve-target", help="start a vLLM server of this target for the run")
+    parser.add_argument("--serve-target", help="the target, served by vLLM for the run when there is no URL")
     parser.add_argument("--server-log", default="regenerate_server.log")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
     args = parser.parse_args(argv)

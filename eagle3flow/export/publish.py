@@ -60,7 +60,7 @@ def publish(draft: Path, repo_id: str, token_env: str, private: bool, dry_run: b
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.export.publish", description=__doc__.split("\n")[0])
     parser.add_argument("--draft", required=True, type=Path)
-    parser.add_argument("--repo-id", required=True)
+    parser.add_argument("--repo-id", default=None, help="<user or org>/<name> (hub.repo_id)")
     parser.add_argument("--token-env", default="HF_TOKEN")
     parser.add_argument("--public", action="store_true")
     parser.add_argument("--dry-run", action="store_true")

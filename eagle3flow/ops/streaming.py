@@ -344,7 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--marker", required=True)
     p.add_argument("--launch", default="", help="eagle3flow.train.launch options (--nproc, --nodes, --device)")
     r = sub.add_parser("record-manifest", help="the train manifest of a streamed run, from its markers")
-    r.add_argument("--marker", action="append", required=True, help="consumed markers of the first epoch")
+    r.add_argument("--marker", action="extend", nargs="+", required=True, help="consumed markers of the first epoch")
     r.add_argument("--manifest", required=True)
     args = parser.parse_args(argv)
     if args.command == "record-manifest":
