@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import urllib.parse
 from pathlib import Path
 
 import yaml
@@ -98,10 +99,41 @@ def dataset_path(config: dict, builtin_prompts: str, embedded_conversations: str
     return builtin_prompts if uses_builtin_prompts(config) else embedded_conversations
 
 
+# Where regenerate_responses reads the server's URL: its user:password must reach no
+# command line (Snakemake prints, logs and records those), so the workflow hands the
+# URL over through the environment.
+REGENERATE_URL_ENV = "EAGLE3FLOW_REGENERATE_URL"
+
+
 def regenerate_url(config: dict, environ=os.environ) -> str | None:
     """The target's server that answers the prompts: regenerate.base_url or
     $EAGLE3FLOW_REGENERATE_URL; None means the job serves a built-in target itself."""
-    return config["regenerate"]["base_url"] or environ.get("EAGLE3FLOW_REGENERATE_URL")
+    return config["regenerate"]["base_url"] or environ.get(REGENERATE_URL_ENV)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user:password, for messages, stats and what the workflow shows."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username or parts.password:
+        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+    return urllib.parse.urlunsplit(parts)
+
+
+def shown_config(config: dict) -> dict:
+    """``config`` as the report shows it: regenerate.base_url without user:password."""
+    shown = copy.deepcopy(config)
+    if shown["regenerate"]["base_url"]:
+        shown["regenerate"]["base_url"] = redact_url(shown["regenerate"]["base_url"])
+    return shown
+
+
+def regenerate_stage_settings(config: dict) -> dict:
+    """The regenerate section as regenerate_responses takes it on its command line: without
+    the workflow's switches, and without base_url, which the job reads from
+    $EAGLE3FLOW_REGENERATE_URL (REGENERATE_URL_ENV)."""
+    settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
+    settings["base_url"] = None
+    return settings
 
 
 def check_workflow_config(config: dict, environ=os.environ) -> None:

@@ -32,11 +32,13 @@ if RUNS_JOBS:
 
 def start_run():
     """onstart (Snakemake holds its locks now): name this run as their owner, and give
-    every job this run's token."""
+    every job this run's token and the regenerate server's URL (config_lib.REGENERATE_URL_ENV)."""
     record_owner(os.getcwd(), snakemake_lock_files(workflow), run_id=RUN_ID,
                  local_exec=not workflow.non_local_exec)
     if RUN_ID:
         os.environ[RUN_ENV] = RUN_ID
+    if REGENERATE_URL:
+        os.environ[config_lib.REGENERATE_URL_ENV] = REGENERATE_URL
 
 RESULTS = config["paths"]["results"]
 CACHE = config["paths"]["cache"]

@@ -5,16 +5,16 @@
 # the declared output is written when every prompt is answered or skipped.
 #
 # Without a URL (config or $EAGLE3FLOW_REGENERATE_URL) on a built-in target, the job
-# serves that target itself with vLLM for its own duration.
+# serves that target itself with vLLM for its own duration. The URL reaches the job
+# through $EAGLE3FLOW_REGENERATE_URL (onstart, rules/common.smk), never its command line:
+# a user:password in it would be printed, logged and recorded by Snakemake.
 #
 # regenerate.compare_original_answers also trains a draft on the dataset's original
 # answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
 # it side by side with the draft trained on the target's answers.
+# (Checked, and the original answers' draft added to evaluate.compare_drafts, in
+# eagle3flow/config.py, called from rules/common.smk.)
 from eagle3flow.data.compare_answers import original_answers_config
-
-# Checked, and the original answers' draft added to evaluate.compare_drafts, in
-# eagle3flow/config.py (called from rules/common.smk).
-REGENERATE = config["regenerate"]
 
 
 rule regenerate_responses:
@@ -28,7 +28,7 @@ rule regenerate_responses:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.stats),
         cache=f"{CACHE}/regenerate",
-        cfg=json_arg_of({k: v for k, v in REGENERATE.items() if k not in ("enabled", "compare_original_answers")}),
+        cfg=json_arg_of(config_lib.regenerate_stage_settings(config)),
         dataset=config["dataset"],
         template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
         max_samples=config["dataset"]["max_samples"] or 0,

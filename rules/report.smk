@@ -61,7 +61,7 @@ rule build_report:
         # The drain's record, read when the job runs (the restore after the last GPU
         # stage writes it); without one the report says "no service drained".
         downtime=DOWNTIME,
-        cfg=json_arg_of(config),
+        cfg=json_arg_of(config_lib.shown_config(config)),
     log:
         f"{LOGS}/build_report.log",
     benchmark:

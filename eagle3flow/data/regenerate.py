@@ -70,8 +70,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import schema_defaults
-from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries, redact_url
+from eagle3flow.config import REGENERATE_URL_ENV as URL_ENV
+from eagle3flow.config import redact_url, schema_defaults
+from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
 from eagle3flow.data.regenerated import more_answer_id
@@ -83,7 +84,7 @@ DEFAULTS = schema_defaults("regenerate")
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
 REASONING_FORMS = ("auto", "field", "think_tags", "drop")
-URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
+MODEL_ENV = "EAGLE3FLOW_REGENERATE_MODEL"
 LIST_LIMIT = 1000
 
 
