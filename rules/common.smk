@@ -15,6 +15,7 @@ from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
 from eagle3flow.ops.drain.state import DRAINED_STAGES, run_id_of
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
+from eagle3flow.train.launch import trainer_command
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
 # nothing; eagle3flow/ops/invocation.py). Jobs that re-read the workflow never act either.
@@ -204,11 +205,11 @@ def gpu_stage(stage):
     return command
 
 
-def train_launch():
-    """eagle3flow.train.launch's options, for train_draft and the streaming links: one
-    process per GPU the job holds unless train.nproc forces N, across train.nodes nodes."""
-    train = config["train"]
-    return f"--nproc {train['nproc'] or 'auto'} --nodes {train['nodes']} --device {train['device']}"
+def trainer_launch():
+    """The command that starts the trainer, shell-quoted, for train_draft and the streaming
+    links: one process per GPU the job holds unless train.nproc forces N, across
+    train.nodes nodes (eagle3flow/train/launch.py trainer_command)."""
+    return shlex.join(trainer_command(config["train"]))
 
 
 def print_summary(summary_path, draft_dir):

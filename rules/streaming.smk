@@ -75,7 +75,7 @@ if STREAM is not None:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=train_launch(),
+            launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
             # Links consumed by earlier runs are no jobs of this one (STREAM_CONSUMED).
@@ -108,7 +108,7 @@ if STREAM is not None:
             link_args=link_args(STREAM_LAST),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=train_launch(),
+            launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
         threads: COMPUTE_THREADS
         resources:

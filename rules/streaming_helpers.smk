@@ -20,7 +20,7 @@ STREAM_TRAIN_SHELL = (
     " python -m eagle3flow.ops.streaming train-link {params.link_args}"
     " --train-manifest {input.train:q} --stats {input.stats:q} --vocab-map {input.vocab_map:q}"
     " --target {input.target:q} --cache-root {params.cache:q} --config-json {params.cfg}"
-    " --marker {output.consumed:q} --launch={params.launch:q}"
+    " --marker {output.consumed:q} -- {params.launch}"
 )
 
 
