@@ -10,6 +10,11 @@ scalar inside it arrives as a string (``--config "train={epochs: 5}"`` gives
 strings into what the schema says the key holds (integer, number, boolean, null, array,
 object) before validation; a string where the schema wants a string stays one.
 
+A stage takes its settings as one ``--config-json '<its config section as JSON>'`` (paths
+are flags of their own); :func:`section_settings` is the one resolver every stage reads
+it with: the schema's defaults under what was given, checked against that section of the
+schema, so a stage called by hand refuses what the workflow would.
+
 The rest resolves what the validated config leaves open (which target and dataset, the
 evaluation's prompt sets and parallelism) and refuses combinations the schema cannot
 express: the Snakefile calls these once, so the rules only wire paths to commands.
@@ -18,10 +23,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
+import jsonschema
 import yaml
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
@@ -69,6 +77,49 @@ def schema_defaults(section: str) -> dict:
     """``{key: default}`` of one top-level section of the schema (a fresh copy)."""
     properties = _schema()["properties"][section]["properties"]
     return {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}
+
+
+def section_settings(section: str, given: str | Mapping | None = None,
+                     borrowed: Mapping[str, str] | None = None) -> dict:
+    """A stage's settings: ``given`` (a ``--config-json`` text, or a mapping) over the
+    schema's defaults of config section ``section``, checked against that section of the
+    schema. ``borrowed``: keys of other sections the stage takes too, ``{its name in the
+    settings: "section.key"}`` (the extraction's ``{"max_length": "dataset.max_length"}``),
+    defaulted and checked as there.
+
+    Raises ValueError naming every offending key as the config spells it
+    (``extract.device: ...``): text that is not a JSON object, a key the stage does not
+    take, a value the schema refuses."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{section}: the settings are not JSON ({error})") from None
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{section}: the settings are not a JSON object: {given!r}")
+    # each key the stage takes -> where the config has it
+    homes = {key: f"{section}.{key}" for key in _schema()["properties"][section]["properties"]}
+    clash = sorted(set(homes) & set(borrowed or {}))
+    if clash:
+        raise ValueError(f"{section}: borrowed keys {clash} are keys of the section itself")
+    homes.update(borrowed or {})
+    unknown = sorted(set(given) - set(homes))
+    if unknown:
+        raise ValueError(f"{section}: unknown keys {unknown} (known: {sorted(homes)})")
+    properties = {}
+    for key, home in homes.items():
+        home_section, _, home_key = home.partition(".")
+        properties[key] = _schema()["properties"][home_section]["properties"][home_key]
+    settings = {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}
+    settings.update(given)
+    validator = jsonschema.Draft202012Validator({"type": "object", "properties": properties})
+    errors = sorted(validator.iter_errors(settings), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        raise ValueError("; ".join(".".join([homes[e.absolute_path[0]], *map(str, list(e.absolute_path)[1:])])
+                                   + f": {e.message}" for e in errors))
+    return settings
 
 
 # The side-by-side draft regenerate.compare_original_answers adds to evaluate.compare_drafts.
@@ -127,12 +178,22 @@ def shown_config(config: dict) -> dict:
     return shown
 
 
+def extract_stage_settings(config: dict) -> dict:
+    """The extraction's --config-json: the extract section with the dataset's length limit
+    (part of the shards' fingerprint) and the node's GPUs (vLLM's tensor parallelism)."""
+    return {**config["extract"], "max_length": config["dataset"]["max_length"],
+            "length_policy": config["dataset"]["length_policy"], "gpus": config["resources"]["gpus"]}
+
+
 def regenerate_stage_settings(config: dict) -> dict:
-    """The regenerate section as regenerate_responses takes it on its command line: without
-    the workflow's switches, and without base_url, which the job reads from
-    $EAGLE3FLOW_REGENERATE_URL (REGENERATE_URL_ENV)."""
+    """regenerate_responses' --config-json: the regenerate section without the workflow's
+    switches and without base_url, which the job reads from $EAGLE3FLOW_REGENERATE_URL
+    (REGENERATE_URL_ENV), with the dataset keys it takes (eagle3flow/data/regenerate.py)."""
     settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
     settings["base_url"] = None
+    dataset = config["dataset"]
+    settings.update(format=dataset["format"], dataset_seed=dataset["seed"], max_samples=dataset["max_samples"],
+                    chat_template_kwargs=dataset["chat_template_kwargs"])
     return settings
 
 

@@ -16,14 +16,7 @@ rule extract_hidden_states:
         eval=EXTRACT_PART_MANIFEST.format(split="eval", part="{part}"),
     params:
         cache=f"{CACHE}/hidden_states",
-        layers=(
-            " --aux-layer-ids " + ",".join(map(str, config["extract"]["aux_layer_ids"]))
-            if config["extract"]["aux_layer_ids"]
-            else ""
-        ),
-        cfg=config["extract"],
-        tp=f" --tensor-parallel-size {GPUS}" if GPUS > 0 else "",
-        data=config["dataset"],
+        cfg=json_arg_of(config_lib.extract_stage_settings(config)),
         gpu_stage=gpu_stage("extract_hidden_states"),
     wildcard_constraints:
         part=r"\d+",
@@ -41,14 +34,10 @@ rule extract_hidden_states:
     shell:
         "{params.gpu_stage} --log {log:q} --"
         " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache:q}"
-        " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
+        " --partition {wildcards.part}"
         " --split-name train --dataset {input.train:q} --manifest {output.train:q}"
         " --split-name eval --dataset {input.eval:q} --manifest {output.eval:q}"
-        " --dtype {params.cfg[dtype]} --storage-dtype {params.cfg[storage_dtype]}"
-        " --device {params.cfg[device]} --backend {params.cfg[backend]}{params.tp}"
-        " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
-        " --max-length {params.data[max_length]} --length-policy {params.data[length_policy]}"
-        "{params.layers}"
+        " --config-json {params.cfg}"
 
 
 # Reads N small JSON files: runs where Snakemake runs, never as a cluster job.

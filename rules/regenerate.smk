@@ -29,9 +29,6 @@ rule regenerate_responses:
         out_dir=lambda wildcards, output: os.path.dirname(output.stats),
         cache=f"{CACHE}/regenerate",
         cfg=json_arg_of(config_lib.regenerate_stage_settings(config)),
-        dataset=config["dataset"],
-        template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
-        max_samples=config["dataset"]["max_samples"] or 0,
         server_log=f"{LOGS}/regenerate_server.log",
         vllm_python=optional_flag("--vllm-python", config["evaluate"]["vllm_python"]),
     log:
@@ -43,8 +40,6 @@ rule regenerate_responses:
     shell:
         "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
-        " --format {params.dataset[format]} --seed {params.dataset[seed]}"
-        " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
         " --serve-target {input.target:q} --server-log {params.server_log:q} {params.vllm_python}"
         " 2>&1 | tee {log:q}"
 

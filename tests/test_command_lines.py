@@ -74,14 +74,14 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
         for flag in ("--out-dir", "--log", "--manifest", "--cache-root", "--record", "--out"):
             if flag in argv:
                 assert path_after(argv, flag).startswith(tuple(HOSTILE["paths"].values())), (flag, argv)
-        if "--base-model" in argv:
-            assert value_after(argv, "--base-model") == HOSTILE["hub"]["base_model"]
-        if "--repo-id" in argv:
-            assert value_after(argv, "--repo-id") == HOSTILE["hub"]["repo_id"]
         if "--vllm-python" in argv:
             assert value_after(argv, "--vllm-python") == HOSTILE["evaluate"]["vllm_python"]
-        if "--chat-template-kwargs" in argv:
-            assert json.loads(value_after(argv, "--chat-template-kwargs")) == HOSTILE["dataset"]["chat_template_kwargs"]
+        # a stage's settings: its config section, each value as it was given
+        settings = json.loads(value_after(argv, "--config-json")) if "--config-json" in argv else {}
+        for section, values in HOSTILE.items():
+            for key, value in values.items():
+                if key in settings and section != "paths":
+                    assert settings[key] == value, (key, argv)
         # every command's log, with the pipe into it left to the shell
         if "tee" in argv:
             assert argv[argv.index("tee") - 1] == "|"

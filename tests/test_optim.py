@@ -11,7 +11,7 @@ import torch
 
 from eagle3flow.train.optim import Muon, Optimizers, Schedule, build_optimizers, lr_factor
 from eagle3flow.train.build import copy_target_layer
-from eagle3flow.train.config import resolve_train_config
+from eagle3flow.config import section_settings
 from eagle3flow.train.trainer import with_noise
 
 
@@ -25,7 +25,7 @@ def named_draft_params():
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     named = named_draft_params()
-    cfg = resolve_train_config({"optimizer": "muon"})
+    cfg = section_settings("train", {"optimizer": "muon"})
     opts = build_optimizers(named, cfg, torch.device("cpu"))
     assert sorted(opts.optimizers) == ["adamw", "muon"]
     by_opt = {name: {id(p) for g in opt.param_groups for p in g["params"]}
@@ -54,7 +54,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     for (n, p), (_, q) in zip(named, twin_named):
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="checkpoint optimizers"):
-        build_optimizers(named, resolve_train_config({"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
+        build_optimizers(named, section_settings("train", {"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
 
 
 def muon_steps(optimizer_class, steps: int = 4, **kwargs) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
@@ -111,7 +111,7 @@ def test_unknown_choices_are_refused():
     for bad in ({"optimizer": "sgd"}, {"lr_schedule": "step"}, {"init_midlayer": "copy"},
                 {"teacher_temperature": 0}, {"hidden_noise": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            resolve_train_config(bad)
+            section_settings("train", bad)
 
 
 def test_noise_is_relative_to_each_aux_layers_scale():
