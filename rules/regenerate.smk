@@ -11,9 +11,8 @@
 #
 # regenerate.compare_original_answers also trains a draft on the dataset's original
 # answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
-# it side by side with the draft trained on the target's answers.
-# (Checked, and the original answers' draft added to evaluate.compare_drafts, in
-# eagle3flow/config.py, called from rules/common.smk.)
+# it side by side with the draft trained on the target's answers (checked, and that
+# draft added to evaluate.compare_drafts, in eagle3flow/config.py, from rules/common.smk).
 from eagle3flow.data.compare_answers import original_answers_config
 
 

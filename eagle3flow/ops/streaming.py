@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
+from eagle3flow.config import section_settings
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 from eagle3flow.extract.throughput import THROUGHPUT_FILE, merge_throughput_logs, throughput_path
@@ -342,7 +343,7 @@ def main(argv=None) -> None:
     p.add_argument("--cache-root", required=True)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--previous-out-dir", default=None, help="the previous link's out dir, deleted once consumed")
-    p.add_argument("--config-json", default="{}")
+    p.add_argument("--config-json", default="{}", help="the train section")
     p.add_argument("--marker", required=True)
     p.add_argument("launch", nargs=argparse.REMAINDER,
                    help="after --: the command that starts the trainer (its arguments are added)")
@@ -358,10 +359,14 @@ def main(argv=None) -> None:
         parser.error(f"--link {args.link}: the chain has links 0..{chain.links - 1}")
     if (args.previous is None) != (args.link == 0):
         parser.error("--previous is required for every link but the first (and only then)")
+    try:
+        train_settings = section_settings("train", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     train_link(args.link, chain, Path(args.train_manifest),
                Path(args.eval_manifest) if args.eval_manifest else None,
                Path(args.previous) if args.previous else None, Path(args.stats), Path(args.vocab_map),
-               Path(args.target), Path(args.cache_root), Path(args.out_dir), json.loads(args.config_json),
+               Path(args.target), Path(args.cache_root), Path(args.out_dir), train_settings,
                Path(args.marker), args.launch[1:] if args.launch[:1] == ["--"] else args.launch,
                Path(args.previous_out_dir) if args.previous_out_dir else None)
 
