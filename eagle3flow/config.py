@@ -178,23 +178,33 @@ def shown_config(config: dict) -> dict:
     return shown
 
 
+# Keys of other sections a stage takes beside its own (section_settings' ``borrowed``).
+# The extraction: the dataset's length limit (part of the shards' fingerprint) and the
+# node's GPUs (vLLM's tensor parallelism).
+EXTRACT_BORROWED = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy",
+                    "gpus": "resources.gpus"}
+# The regeneration: which rows in which order (the seed prepare_dataset shuffles with,
+# beside the section's own seed of the requests) and the chat template's variables.
+REGENERATE_BORROWED = {"format": "dataset.format", "dataset_seed": "dataset.seed",
+                       "max_samples": "dataset.max_samples", "chat_template_kwargs": "dataset.chat_template_kwargs"}
+
+
+def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
+    """The values of ``borrowed`` keys in the workflow's ``config``."""
+    return {key: config[home.partition(".")[0]][home.partition(".")[2]] for key, home in borrowed.items()}
+
+
 def extract_stage_settings(config: dict) -> dict:
-    """The extraction's --config-json: the extract section with the dataset's length limit
-    (part of the shards' fingerprint) and the node's GPUs (vLLM's tensor parallelism)."""
-    return {**config["extract"], "max_length": config["dataset"]["max_length"],
-            "length_policy": config["dataset"]["length_policy"], "gpus": config["resources"]["gpus"]}
+    """The extraction's --config-json: the extract section and EXTRACT_BORROWED."""
+    return {**config["extract"], **borrowed_values(config, EXTRACT_BORROWED)}
 
 
 def regenerate_stage_settings(config: dict) -> dict:
     """regenerate_responses' --config-json: the regenerate section without the workflow's
     switches and without base_url, which the job reads from $EAGLE3FLOW_REGENERATE_URL
-    (REGENERATE_URL_ENV), with the dataset keys it takes (eagle3flow/data/regenerate.py)."""
+    (REGENERATE_URL_ENV), and REGENERATE_BORROWED."""
     settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
-    settings["base_url"] = None
-    dataset = config["dataset"]
-    settings.update(format=dataset["format"], dataset_seed=dataset["seed"], max_samples=dataset["max_samples"],
-                    chat_template_kwargs=dataset["chat_template_kwargs"])
-    return settings
+    return {**settings, "base_url": None, **borrowed_values(config, REGENERATE_BORROWED)}
 
 
 def check_workflow_config(config: dict, environ=os.environ) -> None:

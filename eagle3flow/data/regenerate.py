@@ -71,7 +71,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.config import REGENERATE_URL_ENV as URL_ENV
-from eagle3flow.config import redact_url, section_settings
+from eagle3flow.config import REGENERATE_BORROWED, redact_url, section_settings
 from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
@@ -79,11 +79,6 @@ from eagle3flow.data.regenerated import more_answer_id
 from eagle3flow.progress import Progress
 from eagle3flow.serving.vllm_server import ServerError, resolve_serve_dtype, serve_target
 
-# The dataset section's keys the stage takes beside its own section: which rows, in
-# which order (the seed prepare_dataset shuffles with, beside this section's own seed
-# of the requests), and the chat template's variables.
-BORROWED = {"format": "dataset.format", "dataset_seed": "dataset.seed", "max_samples": "dataset.max_samples",
-            "chat_template_kwargs": "dataset.chat_template_kwargs"}
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
 MODEL_ENV = "EAGLE3FLOW_REGENERATE_MODEL"
@@ -492,15 +487,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--cache-root", required=True)
     parser.add_argument("--config-json", default="{}",
-                        help="the regenerate section, with " + ", ".join(f"{k} ({v})" for k, v in BORROWED.items()))
+                        help="the regenerate section, with " + ", ".join(f"{k} ({v})" for k, v in REGENERATE_BORROWED.items()))
     parser.add_argument("--serve-target", help="the target, served by vLLM for the run when there is no URL")
     parser.add_argument("--server-log", default="regenerate_server.log")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        cfg = section_settings("regenerate", args.config_json, borrowed=BORROWED)
-        dataset = {key: cfg.pop(key) for key in BORROWED}
+        cfg = section_settings("regenerate", args.config_json, borrowed=REGENERATE_BORROWED)
+        dataset = {key: cfg.pop(key) for key in REGENERATE_BORROWED}
         conversations, bad = [], []
         for sid, messages in iter_conversations(args.input, dataset["format"], seed=dataset["dataset_seed"],
                                                 max_samples=dataset["max_samples"]):

@@ -11,14 +11,11 @@ import argparse
 
 import torch
 
-from eagle3flow.config import section_settings
+from eagle3flow.config import EXTRACT_BORROWED, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import hf as hf_backend
 from eagle3flow.extract import vllm as vllm_backend
 from eagle3flow.extract.extraction import check_disk_room, log, prepare
-
-# What the extraction takes besides the extract section (main's docstring).
-BORROWED = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy", "gpus": "resources.gpus"}
 
 
 def resolve_backend(device: str) -> str:
@@ -58,7 +55,7 @@ def main(argv=None) -> None:
     parser.add_argument("--config-json", default="{}", help="the settings (above)")
     args = parser.parse_args(argv)
     try:
-        settings = section_settings("extract", args.config_json, borrowed=BORROWED)
+        settings = section_settings("extract", args.config_json, borrowed=EXTRACT_BORROWED)
     except ValueError as error:
         parser.error(f"--config-json: {error}")
     limit_cpu_threads()
