@@ -10,6 +10,11 @@ scalar inside it arrives as a string (``--config "train={epochs: 5}"`` gives
 strings into what the schema says the key holds (integer, number, boolean, null, array,
 object) before validation; a string where the schema wants a string stays one.
 
+A stage takes its settings as one ``--config-json '<its config section as JSON>'`` (paths
+are flags of their own); :func:`section_settings` is the one resolver every stage reads
+it with: the schema's defaults under what was given, checked against that section of the
+schema, so a stage called by hand refuses what the workflow would.
+
 The rest resolves what the validated config leaves open (which target and dataset, the
 evaluation's prompt sets and parallelism) and refuses combinations the schema cannot
 express: the Snakefile calls these once, so the rules only wire paths to commands.
@@ -18,9 +23,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
+import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
+import jsonschema
 import yaml
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
@@ -70,6 +79,49 @@ def schema_defaults(section: str) -> dict:
     return {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}
 
 
+def section_settings(section: str, given: str | Mapping | None = None,
+                     borrowed: Mapping[str, str] | None = None) -> dict:
+    """A stage's settings: ``given`` (a ``--config-json`` text, or a mapping) over the
+    schema's defaults of config section ``section``, checked against that section of the
+    schema. ``borrowed``: keys of other sections the stage takes too, ``{its name in the
+    settings: "section.key"}`` (the extraction's ``{"max_length": "dataset.max_length"}``),
+    defaulted and checked as there.
+
+    Raises ValueError naming every offending key as the config spells it
+    (``extract.device: ...``): text that is not a JSON object, a key the stage does not
+    take, a value the schema refuses."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{section}: the settings are not JSON ({error})") from None
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{section}: the settings are not a JSON object: {given!r}")
+    # each key the stage takes -> where the config has it
+    homes = {key: f"{section}.{key}" for key in _schema()["properties"][section]["properties"]}
+    clash = sorted(set(homes) & set(borrowed or {}))
+    if clash:
+        raise ValueError(f"{section}: borrowed keys {clash} are keys of the section itself")
+    homes.update(borrowed or {})
+    unknown = sorted(set(given) - set(homes))
+    if unknown:
+        raise ValueError(f"{section}: unknown keys {unknown} (known: {sorted(homes)})")
+    properties = {}
+    for key, home in homes.items():
+        home_section, _, home_key = home.partition(".")
+        properties[key] = _schema()["properties"][home_section]["properties"][home_key]
+    settings = {key: copy.deepcopy(spec.get("default")) for key, spec in properties.items()}
+    settings.update(given)
+    validator = jsonschema.Draft202012Validator({"type": "object", "properties": properties})
+    errors = sorted(validator.iter_errors(settings), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        raise ValueError("; ".join(".".join([homes[e.absolute_path[0]], *map(str, list(e.absolute_path)[1:])])
+                                   + f": {e.message}" for e in errors))
+    return settings
+
+
 # The side-by-side draft regenerate.compare_original_answers adds to evaluate.compare_drafts.
 ORIGINAL_ANSWERS_DRAFT = "original answers"
 
@@ -98,10 +150,61 @@ def dataset_path(config: dict, builtin_prompts: str, embedded_conversations: str
     return builtin_prompts if uses_builtin_prompts(config) else embedded_conversations
 
 
+# Where regenerate_responses reads the server's URL: its user:password must reach no
+# command line (Snakemake prints, logs and records those), so the workflow hands the
+# URL over through the environment.
+REGENERATE_URL_ENV = "EAGLE3FLOW_REGENERATE_URL"
+
+
 def regenerate_url(config: dict, environ=os.environ) -> str | None:
     """The target's server that answers the prompts: regenerate.base_url or
     $EAGLE3FLOW_REGENERATE_URL; None means the job serves a built-in target itself."""
-    return config["regenerate"]["base_url"] or environ.get("EAGLE3FLOW_REGENERATE_URL")
+    return config["regenerate"]["base_url"] or environ.get(REGENERATE_URL_ENV)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user:password, for messages, stats and what the workflow shows."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username or parts.password:
+        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+    return urllib.parse.urlunsplit(parts)
+
+
+def shown_config(config: dict) -> dict:
+    """``config`` as the report shows it: regenerate.base_url without user:password."""
+    shown = copy.deepcopy(config)
+    if shown["regenerate"]["base_url"]:
+        shown["regenerate"]["base_url"] = redact_url(shown["regenerate"]["base_url"])
+    return shown
+
+
+# Keys of other sections a stage takes beside its own (section_settings' ``borrowed``).
+# The extraction: the dataset's length limit (part of the shards' fingerprint) and the
+# node's GPUs (vLLM's tensor parallelism).
+EXTRACT_BORROWED = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy",
+                    "gpus": "resources.gpus"}
+# The regeneration: which rows in which order (the seed prepare_dataset shuffles with,
+# beside the section's own seed of the requests) and the chat template's variables.
+REGENERATE_BORROWED = {"format": "dataset.format", "dataset_seed": "dataset.seed",
+                       "max_samples": "dataset.max_samples", "chat_template_kwargs": "dataset.chat_template_kwargs"}
+
+
+def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
+    """The values of ``borrowed`` keys in the workflow's ``config``."""
+    return {key: config[home.partition(".")[0]][home.partition(".")[2]] for key, home in borrowed.items()}
+
+
+def extract_stage_settings(config: dict) -> dict:
+    """The extraction's --config-json: the extract section and EXTRACT_BORROWED."""
+    return {**config["extract"], **borrowed_values(config, EXTRACT_BORROWED)}
+
+
+def regenerate_stage_settings(config: dict) -> dict:
+    """regenerate_responses' --config-json: the regenerate section without the workflow's
+    switches and without base_url, which the job reads from $EAGLE3FLOW_REGENERATE_URL
+    (REGENERATE_URL_ENV), and REGENERATE_BORROWED."""
+    settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
+    return {**settings, "base_url": None, **borrowed_values(config, REGENERATE_BORROWED)}
 
 
 def check_workflow_config(config: dict, environ=os.environ) -> None:

@@ -15,6 +15,7 @@ from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
 from eagle3flow.ops.drain.state import DRAINED_STAGES, ServiceError, run_id_of, unit_state_dir
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
+from eagle3flow.train.launch import trainer_command
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
 # nothing; eagle3flow/ops/invocation.py). Jobs that re-read the workflow never act either.
@@ -32,11 +33,13 @@ if RUNS_JOBS:
 
 def start_run():
     """onstart (Snakemake holds its locks now): name this run as their owner, and give
-    every job this run's token."""
+    every job this run's token and the regenerate server's URL (config_lib.REGENERATE_URL_ENV)."""
     record_owner(os.getcwd(), snakemake_lock_files(workflow), run_id=RUN_ID,
                  local_exec=not workflow.non_local_exec)
     if RUN_ID:
         os.environ[RUN_ENV] = RUN_ID
+    if REGENERATE_URL:
+        os.environ[config_lib.REGENERATE_URL_ENV] = REGENERATE_URL
 
 RESULTS = config["paths"]["results"]
 CACHE = config["paths"]["cache"]
@@ -147,6 +150,13 @@ def dataset_input():
     return []
 
 
+def optional_flag(flag, value):
+    """``flag value`` shell-quoted, or nothing for a path or name that is not set (None,
+    '', an absent input): Snakemake's {x:q} leaves '' out, which would hand the flag the
+    next argument."""
+    return shlex.join([flag, str(value)]) if value else ""
+
+
 def json_arg_of(value):
     """A config value as one shell-quoted JSON argument."""
     return shlex.quote(json.dumps(value, sort_keys=True))
@@ -202,11 +212,11 @@ def gpu_stage(stage):
     return command
 
 
-def train_launch():
-    """eagle3flow.train.launch's options, for train_draft and the streaming links: one
-    process per GPU the job holds unless train.nproc forces N, across train.nodes nodes."""
-    train = config["train"]
-    return f"--nproc {train['nproc'] or 'auto'} --nodes {train['nodes']} --device {train['device']}"
+def trainer_launch():
+    """The command that starts the trainer, shell-quoted, for train_draft and the streaming
+    links: one process per GPU the job holds unless train.nproc forces N, across
+    train.nodes nodes (eagle3flow/train/launch.py trainer_command)."""
+    return shlex.join(trainer_command(config["train"]))
 
 
 def print_summary(summary_path, draft_dir):

@@ -12,11 +12,8 @@ rule prepare_dataset:
     params:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
-        cfg=config["dataset"],
-        template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
-        regenerated=lambda wildcards, input: (
-            f"--regenerated {input.regenerated}" if input.regenerated else ""
-        ),
+        cfg=json_arg("dataset"),
+        regenerated=lambda wildcards, input: optional_flag("--regenerated", input.regenerated),
     log:
         f"{LOGS}/prepare_dataset.log",
     benchmark:
@@ -25,10 +22,4 @@ rule prepare_dataset:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.dataset --input {params.source:q} --tokenizer {input.target:q}"
-        " --out-dir {params.out_dir} --format {params.cfg[format]}"
-        " --max-length {params.cfg[max_length]} --length-policy {params.cfg[length_policy]}"
-        " --eval-fraction {params.cfg[eval_fraction]} --seed {params.cfg[seed]}"
-        " --max-bad-fraction {params.cfg[max_bad_fraction]} --num-workers {params.cfg[num_workers]}"
-        " --chat-template-kwargs {params.template_kwargs} {params.regenerated}"
-        + (" --max-samples {params.cfg[max_samples]}" if config["dataset"]["max_samples"] else "")
-        + " 2>&1 | tee {log}"
+        " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg} 2>&1 | tee {log:q}"

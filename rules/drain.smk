@@ -22,5 +22,5 @@ rule drain_service:
         "../envs/service.yaml"
     shell:
         "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
-        " --settings-json {params.settings} --flag {output.flag}"
-        " 2>&1 | tee {log}"
+        " --settings-json {params.settings} --flag {output.flag:q}"
+        " 2>&1 | tee {log:q}"

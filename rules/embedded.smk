@@ -15,8 +15,8 @@ rule build_embedded_target:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.embedded.build --out-dir {params.out_dir} --steps {params.steps}"
-        " --max-conversations {params.conversations} --seed {params.seed} 2>&1 | tee {log}"
+        "python -m eagle3flow.embedded.build --out-dir {params.out_dir:q} --steps {params.steps}"
+        " --max-conversations {params.conversations} --seed {params.seed} 2>&1 | tee {log:q}"
 
 
 rule build_pretrained_target:
@@ -29,7 +29,7 @@ rule build_pretrained_target:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.target.pretrained --out-dir {output.target} 2>&1 | tee {log}"
+        "python -m eagle3flow.target.pretrained --out-dir {output.target:q} 2>&1 | tee {log:q}"
 
 
 rule write_builtin_prompts:
@@ -44,4 +44,4 @@ rule write_builtin_prompts:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.data.builtin_prompts --out {output.prompts} --count {params.num_prompts} 2>&1 | tee {log}"
+        "python -m eagle3flow.data.builtin_prompts --out {output.prompts:q} --count {params.num_prompts} 2>&1 | tee {log:q}"

@@ -22,7 +22,7 @@ rule evaluate_draft:
     conda:
         "../envs/vllm.yaml"
     shell:
-        "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.eval.evaluate --draft {params.draft_dir} --target {input.target:q}"
-        " --eval-prompts {input.eval_prompts} --eval-manifest {input.eval_manifest}"
-        " --out {output.summary} --config-json {params.cfg}"
+        "{params.gpu_stage} --log {log:q} --"
+        " python -m eagle3flow.eval.evaluate --draft {params.draft_dir:q} --target {input.target:q}"
+        " --eval-prompts {input.eval_prompts:q} --eval-manifest {input.eval_manifest:q}"
+        " --out {output.summary:q} --config-json {params.cfg}"

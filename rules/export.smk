@@ -9,7 +9,7 @@ rule export_draft:
         EXTRA_DRAFT_FILES,
     params:
         train_dir=lambda wildcards, input: os.path.dirname(input.weights),
-        out_dirs=" ".join(f"--out-dir {fmt}={path}" for fmt, path in DRAFT_DIRS.items()),
+        out_dirs=[f"{fmt}={path}" for fmt, path in DRAFT_DIRS.items()],
         k=config["evaluate"]["num_speculative_tokens"],
     log:
         f"{LOGS}/export_draft.log",
@@ -18,5 +18,5 @@ rule export_draft:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.export.checkpoint --train-dir {params.train_dir} --vocab-map {input.vocab_map}"
-        " --target {input.target:q} {params.out_dirs} --speculative-tokens {params.k} 2>&1 | tee {log}"
+        "python -m eagle3flow.export.checkpoint --train-dir {params.train_dir:q} --vocab-map {input.vocab_map:q}"
+        " --target {input.target:q} --out-dir {params.out_dirs:q} --speculative-tokens {params.k} 2>&1 | tee {log:q}"

@@ -16,14 +16,7 @@ rule extract_hidden_states:
         eval=EXTRACT_PART_MANIFEST.format(split="eval", part="{part}"),
     params:
         cache=f"{CACHE}/hidden_states",
-        layers=(
-            " --aux-layer-ids " + ",".join(map(str, config["extract"]["aux_layer_ids"]))
-            if config["extract"]["aux_layer_ids"]
-            else ""
-        ),
-        cfg=config["extract"],
-        tp=f" --tensor-parallel-size {GPUS}" if GPUS > 0 else "",
-        data=config["dataset"],
+        cfg=json_arg_of(config_lib.extract_stage_settings(config)),
         gpu_stage=gpu_stage("extract_hidden_states"),
     wildcard_constraints:
         part=r"\d+",
@@ -39,16 +32,12 @@ rule extract_hidden_states:
         # the environment is the one the plan expects (eagle3flow/ops/plan/ extract_backend).
         "../envs/vllm.yaml" if plan_lib.extract_backend(config) == "vllm" else "../envs/train.yaml"
     shell:
-        "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache}"
-        " --partition {wildcards.part} --partitions {params.cfg[partitions]}"
-        " --split-name train --dataset {input.train} --manifest {output.train}"
-        " --split-name eval --dataset {input.eval} --manifest {output.eval}"
-        " --dtype {params.cfg[dtype]} --storage-dtype {params.cfg[storage_dtype]}"
-        " --device {params.cfg[device]} --backend {params.cfg[backend]}{params.tp}"
-        " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
-        " --max-length {params.data[max_length]} --length-policy {params.data[length_policy]}"
-        "{params.layers}"
+        "{params.gpu_stage} --log {log:q} --"
+        " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache:q}"
+        " --partition {wildcards.part}"
+        " --split-name train --dataset {input.train:q} --manifest {output.train:q}"
+        " --split-name eval --dataset {input.eval:q} --manifest {output.eval:q}"
+        " --config-json {params.cfg}"
 
 
 # Reads N small JSON files: runs where Snakemake runs, never as a cluster job.
@@ -67,5 +56,5 @@ rule merge_hidden_states:
     conda:
         "../envs/train.yaml"
     shell:
-        "python -m eagle3flow.extract.shards merge --part {input.train} --manifest {output.train}"
-        " --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"
+        "python -m eagle3flow.extract.shards merge --part {input.train:q} --manifest {output.train:q}"
+        " --part {input.eval:q} --manifest {output.eval:q} 2>&1 | tee {log:q}"

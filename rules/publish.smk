@@ -14,7 +14,8 @@ rule write_model_card:
         card=MODEL_CARD,
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.draft[0]),
-        base_model=f"--base-model {config['hub']['base_model']}" if config["hub"]["base_model"] else "",
+        # only what the card shows: publishing (dry_run, repo_id) must not rewrite it
+        hub=json_arg_of({"base_model": config["hub"]["base_model"]}),
     localrule: True
     log:
         f"{LOGS}/write_model_card.log",
@@ -23,10 +24,10 @@ rule write_model_card:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.report.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
-        " --vocab-stats {input.vocab_stats} --dataset-stats {input.dataset_stats}"
-        " --train-eval {input.train_eval} --target {input.target:q} {params.base_model}"
-        " --out {output.card} 2>&1 | tee {log}"
+        "python -m eagle3flow.report.model_card --draft {params.draft_dir:q} --eval-summary {input.eval_summary:q}"
+        " --vocab-stats {input.vocab_stats:q} --dataset-stats {input.dataset_stats:q}"
+        " --train-eval {input.train_eval:q} --target {input.target:q} --out {output.card:q}"
+        " --config-json {params.hub} 2>&1 | tee {log:q}"
 
 
 rule publish_draft:
@@ -37,14 +38,12 @@ rule publish_draft:
         record=f"{RESULTS}/draft/published.json",
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.card),
-        repo_id=config["hub"]["repo_id"] or "",
-        token_env=config["hub"]["token_env"],
-        flags=("" if config["hub"]["private"] else " --public") + (" --dry-run" if config["hub"]["dry_run"] else ""),
+        hub=json_arg("hub"),
     localrule: True
     log:
         f"{LOGS}/publish_draft.log",
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.export.publish --draft {params.draft_dir} --repo-id {params.repo_id:q}"
-        " --token-env {params.token_env}{params.flags} --record {output.record} 2>&1 | tee {log}"
+        "python -m eagle3flow.export.publish --draft {params.draft_dir:q} --record {output.record:q}"
+        " --config-json {params.hub} 2>&1 | tee {log:q}"

@@ -5,16 +5,15 @@
 # the declared output is written when every prompt is answered or skipped.
 #
 # Without a URL (config or $EAGLE3FLOW_REGENERATE_URL) on a built-in target, the job
-# serves that target itself with vLLM for its own duration.
+# serves that target itself with vLLM for its own duration. The URL reaches the job
+# through $EAGLE3FLOW_REGENERATE_URL (onstart, rules/common.smk), never its command line:
+# a user:password in it would be printed, logged and recorded by Snakemake.
 #
 # regenerate.compare_original_answers also trains a draft on the dataset's original
 # answers (a nested run of this workflow into {RESULTS}/original_answers/) and evaluates
-# it side by side with the draft trained on the target's answers.
+# it side by side with the draft trained on the target's answers (checked, and that
+# draft added to evaluate.compare_drafts, in eagle3flow/config.py, from rules/common.smk).
 from eagle3flow.data.compare_answers import original_answers_config
-
-# Checked, and the original answers' draft added to evaluate.compare_drafts, in
-# eagle3flow/config.py (called from rules/common.smk).
-REGENERATE = config["regenerate"]
 
 
 rule regenerate_responses:
@@ -28,17 +27,9 @@ rule regenerate_responses:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.stats),
         cache=f"{CACHE}/regenerate",
-        cfg=json_arg_of({k: v for k, v in REGENERATE.items() if k not in ("enabled", "compare_original_answers")}),
-        dataset=config["dataset"],
-        template_kwargs=json_arg_of(config["dataset"]["chat_template_kwargs"]),
-        max_samples=config["dataset"]["max_samples"] or 0,
-        # No URL on a built-in target: serve the target for the job's duration.
-        serve=(
-            f"--serve-target {TARGET} --server-log {LOGS}/regenerate_server.log"
-            + (f" --vllm-python {config['evaluate']['vllm_python']}" if config["evaluate"]["vllm_python"] else "")
-            if not REGENERATE_URL
-            else ""
-        ),
+        cfg=json_arg_of(config_lib.regenerate_stage_settings(config)),
+        server_log=f"{LOGS}/regenerate_server.log",
+        vllm_python=optional_flag("--vllm-python", config["evaluate"]["vllm_python"]),
     log:
         f"{LOGS}/regenerate_responses.log",
     benchmark:
@@ -47,10 +38,9 @@ rule regenerate_responses:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
-        " --out-dir {params.out_dir} --cache-root {params.cache} --config-json {params.cfg}"
-        " --format {params.dataset[format]} --seed {params.dataset[seed]}"
-        " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
-        " {params.serve} 2>&1 | tee {log}"
+        " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
+        " --serve-target {input.target:q} --server-log {params.server_log:q} {params.vllm_python}"
+        " 2>&1 | tee {log:q}"
 
 
 rule train_original_answers_draft:
@@ -77,5 +67,5 @@ rule train_original_answers_draft:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
-        " --target {input.target:q} --dataset {params.source:q} --results {params.results}"
-        " --cache {params.cache} --logs {params.logs} --cores {threads} 2>&1 | tee {log}"
+        " --target {input.target:q} --dataset {params.source:q} --results {params.results:q}"
+        " --cache {params.cache:q} --logs {params.logs:q} --cores {threads} 2>&1 | tee {log:q}"

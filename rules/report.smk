@@ -61,10 +61,7 @@ rule build_report:
         # The drain's record, read when the job runs (the restore after the last GPU
         # stage writes it); without one the report says "no service drained".
         downtime=DOWNTIME,
-        manifests=lambda wildcards, input: " ".join(
-            f"--manifest {m}" for m in input.manifests
-        ),
-        cfg=json_arg_of(config),
+        cfg=json_arg_of(config_lib.shown_config(config)),
     log:
         f"{LOGS}/build_report.log",
     benchmark:
@@ -72,8 +69,8 @@ rule build_report:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.report.render --out-dir {params.out_dir}"
-        " --eval-summary {input.eval_summary} --train-metrics {input.metrics}"
-        " --train-eval {input.train_eval} --vocab-stats {input.vocab_stats}"
-        " --dataset-stats {input.dataset_stats} {params.manifests} --downtime {params.downtime}"
-        " --config-json {params.cfg} 2>&1 | tee {log}"
+        "python -m eagle3flow.report.render --out-dir {params.out_dir:q}"
+        " --eval-summary {input.eval_summary:q} --train-metrics {input.metrics:q}"
+        " --train-eval {input.train_eval:q} --vocab-stats {input.vocab_stats:q}"
+        " --dataset-stats {input.dataset_stats:q} --manifest {input.manifests:q} --downtime {params.downtime:q}"
+        " --config-json {params.cfg} 2>&1 | tee {log:q}"

@@ -46,7 +46,7 @@ if STREAM is not None:
         conda:
             "../envs/train.yaml"
         shell:
-            "python -m eagle3flow.extract.shards merge --part {input.eval} --manifest {output.eval} 2>&1 | tee {log}"
+            "python -m eagle3flow.extract.shards merge --part {input.eval:q} --manifest {output.eval:q} 2>&1 | tee {log:q}"
 
     # What was extracted and trained on, for the report (the shards are gone).
     rule record_streamed_train_manifest:
@@ -54,8 +54,6 @@ if STREAM is not None:
             markers=[consumed(link) for link in range(STREAM.partitions)],
         output:
             train=f"{RESULTS}/hidden_states/train/manifest.json",
-        params:
-            markers=lambda wildcards, input: " ".join(f"--marker {m}" for m in input.markers),
         localrule: True
         log:
             f"{LOGS}/record_streamed_train_manifest.log",
@@ -64,8 +62,8 @@ if STREAM is not None:
         conda:
             "../envs/train.yaml"
         shell:
-            "python -m eagle3flow.ops.streaming record-manifest {params.markers} --manifest {output.train}"
-            " 2>&1 | tee {log}"
+            "python -m eagle3flow.ops.streaming record-manifest --marker {input.markers:q} --manifest {output.train:q}"
+            " 2>&1 | tee {log:q}"
 
     rule train_partition:
         input:
@@ -77,7 +75,7 @@ if STREAM is not None:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=train_launch(),
+            launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
             # Links consumed by earlier runs are no jobs of this one (STREAM_CONSUMED).
@@ -110,7 +108,7 @@ if STREAM is not None:
             link_args=link_args(STREAM_LAST),
             cache=f"{CACHE}/train",
             cfg=json_arg("train"),
-            launch=train_launch(),
+            launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
         threads: COMPUTE_THREADS
         resources:

@@ -16,11 +16,11 @@ STREAM_CONSUMED = (
     streaming_lib.consumed_links(STREAM, STREAM_DIR) if STREAM is not None else set()
 )
 STREAM_TRAIN_SHELL = (
-    "{params.gpu_stage} --log {log} --"
+    "{params.gpu_stage} --log {log:q} --"
     " python -m eagle3flow.ops.streaming train-link {params.link_args}"
-    " --train-manifest {input.train} --stats {input.stats} --vocab-map {input.vocab_map}"
-    " --target {input.target:q} --cache-root {params.cache} --config-json {params.cfg}"
-    " --marker {output.consumed} --launch={params.launch:q}"
+    " --train-manifest {input.train:q} --stats {input.stats:q} --vocab-map {input.vocab_map:q}"
+    " --target {input.target:q} --cache-root {params.cache:q} --config-json {params.cfg}"
+    " --marker {output.consumed:q} -- {params.launch}"
 )
 
 
@@ -71,14 +71,14 @@ def link_out_dir(link):
 
 
 def link_args(link):
-    """train-link options of link ``link``."""
-    args = (f"--link {link} --partitions {STREAM.partitions} --epochs {STREAM.epochs}"
-            f" --in-flight {STREAM.in_flight} --out-dir {link_out_dir(link)}")
+    """train-link options of link ``link``, shell-quoted."""
+    args = ["--link", link, "--partitions", STREAM.partitions, "--epochs", STREAM.epochs,
+            "--in-flight", STREAM.in_flight, "--out-dir", link_out_dir(link)]
     if link > 0:
-        args += f" --previous {consumed(link - 1)} --previous-out-dir {link_out_dir(link - 1)}"
+        args += ["--previous", consumed(link - 1), "--previous-out-dir", link_out_dir(link - 1)]
     if link == STREAM_LAST:
-        args += f" --eval-manifest {RESULTS}/hidden_states/eval/manifest.json"
-    return args
+        args += ["--eval-manifest", f"{RESULTS}/hidden_states/eval/manifest.json"]
+    return shlex.join(map(str, args))
 
 
 def streaming_drain_inputs(stage, key):

@@ -16,7 +16,7 @@ rule train_draft:
         cache=f"{CACHE}/train",
         cfg=json_arg("train"),
         gpu_stage=gpu_stage("train_draft"),
-        launch=train_launch(),
+        launch=trainer_launch(),
     threads: COMPUTE_THREADS
     resources:
         **gpu_resources(nodes=config["train"]["nodes"]),
@@ -27,8 +27,7 @@ rule train_draft:
     conda:
         "../envs/train.yaml"
     shell:
-        "{params.gpu_stage} --log {log} --"
-        " python -m eagle3flow.train.launch {params.launch} eagle3flow.train.trainer --"
-        " --train-manifest {input.train} --eval-manifest {input.eval}"
-        " --vocab-map {input.vocab_map} --target {input.target:q} --out-dir {params.out_dir}"
-        " --cache-root {params.cache} --config-json {params.cfg}"
+        "{params.gpu_stage} --log {log:q} -- {params.launch}"
+        " --train-manifest {input.train:q} --eval-manifest {input.eval:q}"
+        " --vocab-map {input.vocab_map:q} --target {input.target:q} --out-dir {params.out_dir:q}"
+        " --cache-root {params.cache:q} --config-json {params.cfg}"

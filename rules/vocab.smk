@@ -14,6 +14,6 @@ rule build_vocab_map:
     conda:
         "../envs/data.yaml"
     shell:
-        "python -m eagle3flow.data.vocab --dataset {input.train} --target {input.target:q}"
-        " --draft-vocab-size {params.size} --out {output.vocab_map} --stats {output.stats}"
-        " 2>&1 | tee {log}"
+        "python -m eagle3flow.data.vocab --dataset {input.train:q} --target {input.target:q}"
+        " --draft-vocab-size {params.size} --out {output.vocab_map:q} --stats {output.stats:q}"
+        " 2>&1 | tee {log:q}"

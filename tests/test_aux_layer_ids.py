@@ -69,7 +69,7 @@ def test_the_workflow_normalizes_the_ids_when_read(workdir):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert "extract.aux_layer_ids [7, 2, 2, 4] -> [2, 4, 7]" in out, out[-3000:]
-    assert "--aux-layer-ids 2,4,7" in out and "--aux-layer-ids 7,2" not in out
+    assert '"aux_layer_ids": [2, 4, 7]' in out and '"aux_layer_ids": [7, 2' not in out
 
 
 def test_out_of_range_ids_are_refused_before_any_job(workdir):

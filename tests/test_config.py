@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import yaml
 
 from eagle3flow import config as config_lib
-from eagle3flow.config import coerce_to_schema, schema_defaults
+from eagle3flow.config import coerce_to_schema, schema_defaults, section_settings
 
 
 def schema() -> dict:
@@ -21,15 +22,13 @@ def dataclasses_missing():
 
 def test_every_stage_takes_its_defaults_from_the_schema():
     from eagle3flow.eval.evaluate import EVAL_DEFAULTS, EvalOptions
-    from eagle3flow.data.regenerate import DEFAULTS
     from eagle3flow.ops.drain.state import DEFAULTS as DRAIN_DEFAULTS
-    from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
+    from eagle3flow.train.config import TRAIN_DEFAULTS
 
     sections = schema()["properties"]
-    for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("regenerate", DEFAULTS),
-                          ("drain", DRAIN_DEFAULTS)):
+    for section, used in (("train", TRAIN_DEFAULTS), ("evaluate", EVAL_DEFAULTS), ("drain", DRAIN_DEFAULTS)):
         assert used == {k: v.get("default") for k, v in sections[section]["properties"].items()}, section
-    assert resolve_train_config({}) == TRAIN_DEFAULTS
+    assert section_settings("train", {}) == TRAIN_DEFAULTS
     # evaluate()'s own option defaults are the schema's too (max_tokens drifted to 64 once)
     signature = inspect.signature(EvalOptions).parameters
     for key in ("num_speculative_tokens", "max_tokens", "num_prompts", "agreement_tolerance", "draft_name"):
@@ -164,3 +163,42 @@ def test_config_yaml_holds_only_what_a_user_sets():
     repeated = [f"{section}.{key}" for section, values in config.items() for key, value in values.items()
                 if (section, key) not in placeholders and schema_defaults(section).get(key) == value]
     assert not repeated, f"config.yaml repeats the schema's defaults of {repeated}"
+
+
+def test_section_settings_fill_defaults_and_refuse_naming_the_key():
+    """The one resolver of every stage's --config-json."""
+    settings = section_settings("extract", '{"device": "cuda:1", "aux_layer_ids": [2, 5]}')
+    assert settings == {**schema_defaults("extract"), "device": "cuda:1", "aux_layer_ids": [2, 5]}
+    assert section_settings("extract", None) == section_settings("extract", {}) == schema_defaults("extract")
+
+    def refusal(given, **kwargs) -> str:
+        with pytest.raises(ValueError) as error:
+            section_settings("extract", given, **kwargs)
+        return str(error.value)
+
+    assert "unknown keys ['devise']" in refusal('{"devise": "cpu"}')
+    assert "extract.batch_tokens: '64' is not of type 'integer'" in refusal({"batch_tokens": "64"})
+    assert "extract.device: 'cuda; touch x' does not match" in refusal({"device": "cuda; touch x"})
+    assert "extract.aux_layer_ids.1: -1 is less than the minimum of 0" in refusal({"aux_layer_ids": [2, -1]})
+    both = refusal({"dtype": "fp4", "shard_tokens": 0})
+    assert "extract.dtype:" in both and "extract.shard_tokens:" in both, "every offending key is named"
+    assert "not JSON" in refusal("{device: cpu}") and "not a JSON object" in refusal("[1]")
+    # a key of another section the stage takes, defaulted and checked as there
+    borrowed = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy"}
+    assert section_settings("extract", {}, borrowed=borrowed)["max_length"] == schema_defaults("dataset")["max_length"]
+    assert "dataset.length_policy: 'cut' is not one of" in refusal({"length_policy": "cut"}, borrowed=borrowed)
+    assert "unknown keys ['max_length']" in refusal({"max_length": 64})
+    assert "dataset.seed: 'x' is not of type 'integer'" in refusal({"order_seed": "x"},
+                                                                    borrowed={"order_seed": "dataset.seed"})
+    assert "keys of the section itself" in refusal({}, borrowed={"device": "evaluate.device"})
+
+
+def test_the_schema_offers_the_choices_the_code_knows():
+    """The stages rely on the schema's enums: they are the code's own lists."""
+    from eagle3flow.train.optim import LR_SCHEDULES, OPTIMIZERS
+    from eagle3flow.train.trackers import TRACKERS
+
+    sections = schema()["properties"]
+    train = sections["train"]["properties"]
+    assert train["optimizer"]["enum"] == list(OPTIMIZERS) and train["lr_schedule"]["enum"] == list(LR_SCHEDULES)
+    assert train["report_to"]["items"]["enum"] == list(TRACKERS)

@@ -345,9 +345,9 @@ def _cli(*args, env_extra=None, timeout=120):
 def test_cli_end_to_end(tokenizer_dirs, tmp_path):
     out = tmp_path / "results" / "dataset"
     result = _cli("--input", DATA / "alpaca.json", "--tokenizer", tokenizer_dirs["deepseek_v3"],
-                  "--out-dir", out, "--format", "instruction", "--max-length", 64,
-                  "--length-policy", "drop", "--eval-fraction", 0.25, "--seed", 3,
-                  "--max-bad-fraction", 0, "--max-samples", 0)
+                  "--out-dir", out, "--config-json", json.dumps(
+                      {"format": "instruction", "max_length": 64, "length_policy": "drop", "eval_fraction": 0.25,
+                       "seed": 3, "max_bad_fraction": 0, "max_samples": None}))
     assert result.returncode == 0, result.stderr
     assert "prepare_dataset: train 3 samples" in result.stderr
     stats = check_outputs(out, tokenizer_dirs["deepseek_v3"])

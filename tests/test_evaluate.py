@@ -286,8 +286,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     capsys.readouterr()
     with deadline(120, "a rerun that should start no vLLM engine"):
         main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
-              "--eval-manifest", str(manifest), "--out", str(out), "--num-speculative-tokens", str(k),
-              "--max-tokens", str(max_tokens), "--num-prompts", str(num_prompts), "--device", "cpu"])
+              "--eval-manifest", str(manifest), "--out", str(out), "--config-json", json.dumps(
+                  {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu"})])
     err = capsys.readouterr().err
     assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
     assert json.loads(out.read_text())["vllm"] == vllm

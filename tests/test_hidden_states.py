@@ -123,8 +123,8 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path, random_llama_
     env = {**os.environ, SHARD_DELAY_ENV: "3", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "eagle3flow.extract", "--dataset", str(dataset),
            "--target", str(random_llama_target), "--manifest", str(out / "manifest.json"),
-           "--cache-root", str(out / "cache"), "--aux-layer-ids", ",".join(map(str, AUX)),
-           "--device", "cpu", "--batch-tokens", "96", "--shard-tokens", "120"]
+           "--cache-root", str(out / "cache"),
+           "--config-json", json.dumps({"aux_layer_ids": AUX, "device": "cpu", "batch_tokens": 96, "shard_tokens": 120})]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle3flow.train.optim import Muon, Optimizers, Schedule, build_optimizers, lr_factor
-from eagle3flow.train.config import resolve_train_config
+from eagle3flow.config import section_settings
 
 
 def named_draft_params():
@@ -23,7 +23,7 @@ def named_draft_params():
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     named = named_draft_params()
-    cfg = resolve_train_config({"optimizer": "muon"})
+    cfg = section_settings("train", {"optimizer": "muon"})
     opts = build_optimizers(named, cfg, torch.device("cpu"))
     assert sorted(opts.optimizers) == ["adamw", "muon"]
     by_opt = {name: {id(p) for g in opt.param_groups for p in g["params"]}
@@ -52,7 +52,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     for (n, p), (_, q) in zip(named, twin_named):
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="checkpoint optimizers"):
-        build_optimizers(named, resolve_train_config({"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
+        build_optimizers(named, section_settings("train", {"optimizer": "adamw"}), torch.device("cpu")).load_state_dict(state)
 
 
 def muon_steps(optimizer_class, steps: int = 4, **kwargs) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
@@ -108,4 +108,4 @@ def test_schedule_warms_up_then_decays_to_the_floor(schedule):
 def test_unknown_choices_are_refused():
     for bad in ({"optimizer": "sgd"}, {"lr_schedule": "step"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            resolve_train_config(bad)
+            section_settings("train", bad)

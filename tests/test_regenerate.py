@@ -445,15 +445,18 @@ def test_regenerate_runs_before_any_drain(tmp_path):
     assert "regenerate_responses" in ancestors(prepare)
 
 
-class ToolCallingServer:
-    """A real HTTP server speaking OpenAI's chat API as a tool-using target does: its first
-    answer calls get_weather, its answer after the tool's output is text. Records requests."""
+class FakeChatServer:
+    """A real HTTP server speaking OpenAI's chat API with one model, ``answer(request)``
+    its assistant message. Records requests and their Authorization headers."""
+
+    model = "fake-target"
 
     def __init__(self):
         import http.server
         import threading
 
         self.requests: list[dict] = []
+        self.authorizations: list[str | None] = []
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -469,26 +472,39 @@ class ToolCallingServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._json({"object": "list", "data": [{"id": "agent-target", "object": "model"}]})
+                server.authorizations.append(self.headers.get("Authorization"))
+                self._json({"object": "list", "data": [{"id": server.model, "object": "model"}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
-                if body["messages"][-1]["role"] == "tool":
-                    message = {"role": "assistant", "content": "It is clear in Paris."}
-                else:
-                    message = {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": "call_x", "type": "function",
-                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]}
-                self._json({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                server.authorizations.append(self.headers.get("Authorization"))
+                self._json({"choices": [{"index": 0, "message": server.answer(body), "finish_reason": "stop"}],
                             "usage": {"prompt_tokens": 10, "completion_tokens": 5}})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
+    def answer(self, request: dict) -> dict:
+        return {"role": "assistant", "content": "An answer."}
+
     def close(self):
         self.httpd.shutdown()
+
+
+class ToolCallingServer(FakeChatServer):
+    """A tool-using target: its first answer calls get_weather, its answer after the tool's
+    output is text."""
+
+    model = "agent-target"
+
+    def answer(self, request: dict) -> dict:
+        if request["messages"][-1]["role"] == "tool":
+            return {"role": "assistant", "content": "It is clear in Paris."}
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_x", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]}
 
 
 def test_tool_calls_are_sent_kept_and_trained_on(tmp_path):
@@ -524,3 +540,43 @@ def test_tool_calls_are_sent_kept_and_trained_on(tmp_path):
     trained = tok.decode([t for t, m in zip(table["input_ids"], table["loss_mask"]) if m])
     assert "get_weather" in trained and '"unit": "C"' in trained and "clear in Paris" in trained
     assert "temperature=18C" not in trained
+
+
+def test_credentials_in_base_url_reach_the_server_and_no_command_line_log_or_record(tmp_path):
+    """regenerate.base_url with user:password: the job authenticates with them, and neither
+    Snakemake's printed commands (-p), its log and metadata, nor the run's results and
+    logs hold the password (the URL reaches the job through the environment)."""
+    import base64
+
+    from support.workflow import snakemake, workflow_copy
+
+    workdir = workflow_copy(tmp_path / "wf")
+    data = workdir / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Old answer."}]}) + "\n"
+        for i in range(3)))
+    secret = "s3cret-pass-0451"
+    server = FakeChatServer()
+    config = {"target": {"path": str(make_chat_tokenizer(tmp_path / "tok", "kimi_k2"))},
+              "dataset": {"path": str(data)},
+              "regenerate": {"enabled": True, "max_tokens": 8, "reasoning": "drop",
+                             "base_url": server.url.replace("://", f"://eagle:{secret}@")}}
+    (workdir / "secret.json").write_text(json.dumps(config))
+    try:
+        regenerated = snakemake(workdir, "-p", "--cores", "1", "results/regenerate/responses.jsonl",
+                                "--configfile", "config.yaml", "secret.json", timeout=300)
+    finally:
+        server.close()
+    # every other command the run would print, the report's (the whole config) among them
+    dry = snakemake(workdir, "-n", "-p", "--cores", "1", "all", "--configfile", "config.yaml", "secret.json",
+                    timeout=300)
+    assert regenerated.returncode == 0, (regenerated.stdout + regenerated.stderr)[-4000:]
+    assert dry.returncode == 0 and "eagle3flow.report.render" in dry.stdout, (dry.stdout + dry.stderr)[-4000:]
+    expected = "Basic " + base64.b64encode(f"eagle:{secret}".encode()).decode()
+    assert server.requests and set(server.authorizations) == {expected}
+    assert len(read_rows(workdir / "results" / "regenerate" / "responses.jsonl")) == 3
+    for result in (regenerated, dry):
+        assert secret not in result.stdout + result.stderr
+    written = [p for folder in ("results", "logs", ".snakemake") for p in (workdir / folder).rglob("*") if p.is_file()]
+    assert any(p.parts[-3:-1] == (".snakemake", "log") for p in written), "Snakemake's log is among them"
+    assert [p for p in written if secret.encode() in p.read_bytes()] == []

@@ -27,6 +27,8 @@ import pytest
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.plan.sizes import tree_bytes
 from eagle3flow.ops import streaming
+from eagle3flow.train.config import TRAIN_DEFAULTS
+from eagle3flow.train.launch import trainer_command
 from support.box import FakeBox
 from support.builders import make_hidden_states, make_vocab_map
 from support.workflow import embedded_args, embedded_config, kill_when, measured_peak, snakemake, start_snakemake
@@ -98,13 +100,14 @@ def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_par
     cfg = {"batch_tokens": 128, "checkpoint_every": 2, "ttt_steps": 2, "lr": 3e-3, "log_every": 1,
            "draft": {"intermediate_size": 64}}
     cache, out = tmp_path / "cache", tmp_path / "out"
+    launch = trainer_command({**TRAIN_DEFAULTS, **cfg}, sys.executable)
     markers = [tmp_path / "streaming" / streaming.consumed_name(j) for j in range(2)]
     first = streaming.train_link(0, chain, manifests[0], None, None, stats, vocab, random_llama_target,
-                                 cache, out / "link-0", cfg, markers[0], [])
+                                 cache, out / "link-0", cfg, markers[0], launch)
     assert first["step"] > 2 and Path(first["checkpoint"], "state.pt").is_file()
     assert not list((tmp_path / "part0" / "shards").iterdir()), "consumed shards are deleted"
     second = streaming.train_link(1, chain, manifests[1], None, markers[0], stats, vocab, random_llama_target,
-                                  cache, out / "final", cfg, markers[1], [], previous_out_dir=out / "link-0")
+                                  cache, out / "final", cfg, markers[1], launch, previous_out_dir=out / "link-0")
     log = capfd.readouterr().err
     assert f"train: starting from {first['checkpoint']} (step {first['step']}" in log
     assert second["step"] > first["step"] and second["tokens_done"] == stats_tokens(stats)
@@ -119,7 +122,7 @@ def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_par
         manifests[1].read_text())["num_tokens"]
     # Killed after training, before the job ended: the rerun trains nothing, needs no shard.
     again = streaming.train_link(1, chain, manifests[1], None, markers[0], stats, vocab, random_llama_target,
-                                 cache, out / "final", cfg, markers[1], [], previous_out_dir=out / "link-0")
+                                 cache, out / "final", cfg, markers[1], launch, previous_out_dir=out / "link-0")
     assert again["step"] == second["step"] and "already finished" in capfd.readouterr().err
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.train.build import load_trained
-from eagle3flow.train.config import resolve_train_config
+from eagle3flow.config import section_settings
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.trainer import train
 from support.builders import TRAIN_CONFIG, losses, make_hidden_states, make_vocab_map
@@ -112,7 +112,7 @@ def test_killed_run_resumes_bitwise(train_inputs, tmp_path):
 
 def test_bad_inputs_are_named(train_inputs, tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['lr_typo'\\]"):
-        resolve_train_config({"lr_typo": 1})
+        section_settings("train", {"lr_typo": 1})
     bad = tmp_path / "bad_vocab.safetensors"
     t2d = torch.zeros(512, dtype=torch.bool)
     t2d[:10] = True
@@ -138,7 +138,7 @@ def test_tensorboard_gets_the_training_scalars(train_inputs, tmp_path):
     assert [e.step for e in losses] == [r["step"] for r in rows]
     assert [e.value for e in losses] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     with pytest.raises(ValueError, match="report_to"):
-        resolve_train_config({"report_to": ["comet"]})
+        section_settings("train", {"report_to": ["comet"]})
 
 
 def test_mfu_is_never_above_one():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3flow.train.launch import command, processes_per_node
+from eagle3flow.train.launch import command, processes_per_node, trainer_command
+from eagle3flow.train.config import TRAIN_DEFAULTS
 from eagle3flow.train.trainer import train
 from eagle3flow.train.data import rank_share
 from support.builders import TRAIN_CONFIG, losses, make_hidden_states, make_vocab_map
@@ -32,9 +33,8 @@ def inputs(random_llama_target, tmp_path_factory):
 
 def launch(inputs, out, cache, config, env_extra=None, wait=True):
     """The train rule's command line: eagle3flow.train.launch -> torchrun -> eagle3flow.train.trainer."""
-    cmd = [sys.executable, "-m", "eagle3flow.train.launch", "--nproc", str(config["nproc"] or "auto"),
-           "--device", config.get("device", "cpu"),
-           "eagle3flow.train.trainer", "--", "--train-manifest", str(inputs["train"]),
+    cmd = [*trainer_command({**TRAIN_DEFAULTS, "device": "cpu", **config}, sys.executable),
+           "--train-manifest", str(inputs["train"]),
            "--vocab-map", str(inputs["vocab"]), "--target", str(inputs["target"]),
            "--out-dir", str(out), "--cache-root", str(cache), "--config-json", json.dumps(config)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}

@@ -1,7 +1,7 @@
 """The vLLM extraction backend: same tensors as the HF backend, for Llama and DeepSeek-V3.
 
 The slow tests share one module-scoped run: the real CLI (``python -m
-eagle3flow.extract --backend vllm``) on the CPU build of vLLM, once per target
+eagle3flow.extract`` with backend vllm) on the CPU build of vLLM, once per target
 (the embedded target's Llama shape, and a tiny DeepSeek-V3: MLA + MoE), both splits
 through one engine each, the two runs in parallel. The HF backend then extracts the
 same datasets in this process and every tensor is compared.
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3flow.extract import hf as hidden_states, shards
+from eagle3flow.extract import __main__ as extract_cli
+from eagle3flow.extract import shards
 from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
 from eagle3flow.extract.hf import extract
 from eagle3flow.extract.vllm import (capture_layer_ids, check_layer_ids, find_cache_group,
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Llama; DeepSeek cannot give 0 in vLLM.
 LLAMA_AUX = [4, 0, 7, 2]
 DEEPSEEK_AUX = [1, 7, 4]
-OPTIONS = ["--device", "cpu", "--dtype", "float32", "--batch-tokens", "96", "--shard-tokens", "120"]
+SETTINGS = {"device": "cpu", "dtype": "float32", "batch_tokens": 96, "shard_tokens": 120}
 
 
 # ----------------------------------------------------------------------------- fast
@@ -162,9 +163,9 @@ def test_tiny_deepseek_layouts(tmp_path):
 # ----------------------------------------------------------------------------- slow: vLLM
 
 def _cli(target: Path, work: Path, aux: list[int], backend: str) -> list[str]:
-    return [sys.executable, "-m", "eagle3flow.extract", "--backend", backend,
+    return [sys.executable, "-m", "eagle3flow.extract",
             "--target", str(target), "--cache-root", str(work / "cache"),
-            "--aux-layer-ids", ",".join(map(str, aux)), *OPTIONS,
+            "--config-json", json.dumps({**SETTINGS, "aux_layer_ids": aux, "backend": backend}),
             "--split-name", "train", "--dataset", str(work / "train.parquet"),
             "--manifest", str(work / backend / "train" / "manifest.json"),
             "--split-name", "eval", "--dataset", str(work / "eval.parquet"),
@@ -320,7 +321,7 @@ def test_vllm_rerun_keeps_every_shard_without_loading(vllm_runs, capsys):
     run = vllm_runs["llama"]
     files = sorted((run.work / "cache").glob("*/shard-*.safetensors"))
     before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
-    hidden_states.main(_cli(run.target, run.work, run.aux, "vllm")[3:])
+    extract_cli.main(_cli(run.target, run.work, run.aux, "vllm")[3:])
     err = capsys.readouterr().err
     assert LOADING_LINE not in err and "(2 cached)" in err and "(1 cached)" in err
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files} == before
@@ -331,6 +332,6 @@ def test_embeddings_id_on_deepseek_fails_before_loading(tmp_path, capsys):
     write_dataset(tmp_path / "train.parquet", 3)
     write_dataset(tmp_path / "eval.parquet", 2)
     with pytest.raises(ValueError, match="id 0 \\(the embeddings\\) cannot be captured") as error:
-        hidden_states.main(_cli(target, tmp_path, [0, 2], "vllm")[3:])
+        extract_cli.main(_cli(target, tmp_path, [0, 2], "vllm")[3:])
     assert str(target / "config.json") in str(error.value)
     assert LOADING_LINE not in capsys.readouterr().err

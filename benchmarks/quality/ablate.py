@@ -49,9 +49,10 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
     manifests = work / "hs"
     splits = {"train": args.train, "eval": args.eval, **dict(args.score)}
     if not all((manifests / f"{name}.json").is_file() for name in splits):
+        settings = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
+                    "max_length": 1024}
         command = [sys.executable, "-m", "eagle3flow.extract", "--target", target,
-                   "--cache-root", work / "cache", "--device", args.device,
-                   "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--max-length", "1024"]
+                   "--cache-root", work / "cache", "--config-json", json.dumps(settings)]
         for name, dataset in splits.items():
             command += ["--split-name", name, "--dataset", dataset, "--manifest", manifests / f"{name}.json"]
         subprocess.run(command, check=True)

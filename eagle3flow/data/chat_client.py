@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import threading
-import urllib.parse
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -30,14 +29,6 @@ class Transient(Exception):
     def __init__(self, reason: str, retry_after: float | None = None):
         super().__init__(reason)
         self.reason, self.retry_after = reason, retry_after
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user:password, for messages and stats."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username or parts.password:
-        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
-    return urllib.parse.urlunsplit(parts)
 
 
 class ChatClient:

@@ -39,10 +39,10 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from eagle3flow.config import schema_defaults
+from eagle3flow.config import schema_defaults, section_settings
 from eagle3flow.data.chat_masks import ChatMasker, load_tokenizer
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
@@ -223,41 +223,30 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: individual flags (no --config-json); ``--chat-template-kwargs`` takes JSON.
+    """CLI: artifact paths as flags, the settings as one --config-json (the dataset section;
+    its path and builtin_prompts are the workflow's: --input is the data).
 
     python -m eagle3flow.data.dataset --input PATH_OR_HUB_ID --tokenizer TARGET_DIR \\
-        --out-dir results/dataset [--format auto] [--max-length 2048] \\
-        [--length-policy truncate] [--eval-fraction 0.05] [--seed 0] \\
-        [--max-bad-fraction 0.01] [--max-samples N] [--split train] \\
-        [--chat-template-kwargs '{"enable_thinking": false}'] [--num-workers 1]
+        --out-dir results/dataset [--regenerated results/regenerate/responses.jsonl] \\
+        [--split train] --config-json '{"max_length": 2048, "chat_template_kwargs": {...}, ...}'
     """
-    defaults = DatasetConfig()
-    parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.dataset", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.dataset", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="data file, directory of files, or Hub dataset id")
     parser.add_argument("--tokenizer", required=True, help="target model directory (tokenizer + chat template)")
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--format", choices=FORMATS, default=defaults.format)
-    parser.add_argument("--max-length", type=int, default=defaults.max_length,
-                        help="tokens per sample; 0 = no limit")
-    parser.add_argument("--length-policy", choices=LENGTH_POLICIES, default=defaults.length_policy)
-    parser.add_argument("--eval-fraction", type=float, default=defaults.eval_fraction)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--max-bad-fraction", type=float, default=defaults.max_bad_fraction)
-    parser.add_argument("--max-samples", type=int, default=None, help="cap on kept samples; 0 = all")
-    parser.add_argument("--split", default=defaults.split, help="split of a Hub dataset")
-    parser.add_argument("--chat-template-kwargs", type=json.loads, default={},
-                        help="JSON object passed to the chat template")
     parser.add_argument("--regenerated", default=None,
                         help="regenerate_responses' responses.jsonl: train on the target's own answers")
-    parser.add_argument("--num-workers", type=int, default=defaults.num_workers,
-                        help="processes rendering and tokenizing (results do not depend on it)")
+    parser.add_argument("--split", default=DatasetConfig.split, help="split of a Hub dataset")
+    parser.add_argument("--config-json", default="{}", help="the dataset section (above)")
     args = parser.parse_args(argv)
+    try:
+        settings = section_settings("dataset", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never hang on a network that is not there
-    config = DatasetConfig(
-        format=args.format, max_length=args.max_length or None, length_policy=args.length_policy,
-        eval_fraction=args.eval_fraction, seed=args.seed, max_bad_fraction=args.max_bad_fraction,
-        max_samples=args.max_samples or None, split=args.split,
-        chat_template_kwargs=args.chat_template_kwargs, num_workers=args.num_workers)
+    config = DatasetConfig(split=args.split, **{f.name: settings[f.name] for f in fields(DatasetConfig)
+                                                if f.name in settings})
     try:
         stats = prepare_dataset(args.input, args.tokenizer, args.out_dir, config,
                                 regenerated=args.regenerated)

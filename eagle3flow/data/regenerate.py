@@ -53,9 +53,9 @@ Outputs (written when every prompt is answered or skipped; stats.json last):
 CLI::
 
     python -m eagle3flow.data.regenerate --input DATA --tokenizer TARGET_DIR --out-dir results/regenerate
-        --cache-root cache/regenerate --config-json '{...regenerate section...}'
-        [--format auto] [--seed 0] [--max-samples N] [--chat-template-kwargs '{}']
-        [--serve-target TARGET_DIR --server-log logs/regenerate_server.log]
+        --cache-root cache/regenerate
+        --config-json '{...regenerate section, format, dataset_seed, max_samples, chat_template_kwargs...}'
+        [--serve-target TARGET_DIR --server-log logs/regenerate_server.log] [--vllm-python PATH]
 """
 from __future__ import annotations
 
@@ -70,20 +70,18 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import schema_defaults
-from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries, redact_url
+from eagle3flow.config import REGENERATE_URL_ENV as URL_ENV
+from eagle3flow.config import REGENERATE_BORROWED, redact_url, section_settings
+from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
 from eagle3flow.data.regenerated import more_answer_id
 from eagle3flow.progress import Progress
 from eagle3flow.serving.vllm_server import ServerError, resolve_serve_dtype, serve_target
 
-# The config's `regenerate` section with its defaults (schemas/config.schema.yaml).
-DEFAULTS = schema_defaults("regenerate")
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
-REASONING_FORMS = ("auto", "field", "think_tags", "drop")
-URL_ENV, MODEL_ENV = "EAGLE3FLOW_REGENERATE_URL", "EAGLE3FLOW_REGENERATE_MODEL"
+MODEL_ENV = "EAGLE3FLOW_REGENERATE_MODEL"
 LIST_LIMIT = 1000
 
 
@@ -311,20 +309,6 @@ def _write_rate(cache_dir: Path, completion_tokens: int, seconds: float) -> None
         pass
 
 
-def _resolve(cfg: dict | None) -> dict:
-    cfg = {**DEFAULTS, **(cfg or {})}
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown regenerate settings: {sorted(unknown)}")
-    if cfg["reasoning"] not in REASONING_FORMS:
-        raise ValueError(f"regenerate.reasoning {cfg['reasoning']!r} is not one of {REASONING_FORMS}")
-    if int(cfg["answers_per_prompt"]) < 1:
-        raise ValueError(f"regenerate.answers_per_prompt must be >= 1, got {cfg['answers_per_prompt']}")
-    if cfg["max_concurrency"] < 1:
-        raise ValueError(f"regenerate.max_concurrency must be >= 1, got {cfg['max_concurrency']}")
-    return cfg
-
-
 def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path, cache_root: str | Path,
                base_url: str, cfg: dict | None = None, tokenizer_dir: str | None = None,
                template_kwargs: dict | None = None, bad_rows: list[dict] | None = None,
@@ -338,7 +322,7 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     RegenerateError (the outputs are then not written; the cache keeps every
     conversation already answered).
     """
-    cfg = _resolve(cfg)
+    cfg = section_settings("regenerate", cfg)
     template_kwargs = dict(template_kwargs or {})
     out_dir, t0 = Path(out_dir), time.monotonic()
     api_key = os.environ.get(cfg["api_key_env"]) or None
@@ -502,28 +486,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="target directory: its chat template decides the reasoning form")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--cache-root", required=True)
-    parser.add_argument("--config-json", type=json.loads, default={}, help="the config's regenerate section")
-    parser.add_argument("--format", default="auto")
-    parser.add_argument("--seed", type=int, default=0, help="dataset.seed (the processing order)")
-    parser.add_argument("--max-samples", type=int, default=None, help="dataset.max_samples; 0 = all")
-    parser.add_argument("--chat-template-kwargs", type=json.loads, default={})
-    parser.add_argument("--serve-target", help="start a vLLM server of this target for the run")
+    parser.add_argument("--config-json", default="{}",
+                        help="the regenerate section, with " + ", ".join(f"{k} ({v})" for k, v in REGENERATE_BORROWED.items()))
+    parser.add_argument("--serve-target", help="the target, served by vLLM for the run when there is no URL")
     parser.add_argument("--server-log", default="regenerate_server.log")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        cfg = _resolve(args.config_json)
+        cfg = section_settings("regenerate", args.config_json, borrowed=REGENERATE_BORROWED)
+        dataset = {key: cfg.pop(key) for key in REGENERATE_BORROWED}
         conversations, bad = [], []
-        for sid, messages in iter_conversations(args.input, args.format, seed=args.seed,
-                                                max_samples=args.max_samples or None):
+        for sid, messages in iter_conversations(args.input, dataset["format"], seed=dataset["dataset_seed"],
+                                                max_samples=dataset["max_samples"]):
             if isinstance(messages, Exception):
                 bad.append({"id": sid, "reason": str(messages)})
             else:
                 conversations.append((sid, messages))
         if not conversations:
             raise RegenerateError(f"{args.input}: no usable conversation to regenerate")
-        kwargs = dict(tokenizer_dir=args.tokenizer, template_kwargs=args.chat_template_kwargs,
+        kwargs = dict(tokenizer_dir=args.tokenizer, template_kwargs=dataset["chat_template_kwargs"],
                       bad_rows=bad)
         base_url = cfg["base_url"] or os.environ.get(URL_ENV)
         if args.serve_target and not base_url:

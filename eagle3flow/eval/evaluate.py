@@ -32,7 +32,6 @@ eagle3flow/eval/aggregate.py, eagle3flow/eval/agreement.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ import torch
 from eagle3flow.export.load import load_exported_draft
 from eagle3flow.extract.hf import load_target
 from eagle3flow.atomic import write_json
-from eagle3flow.config import schema_defaults
+from eagle3flow.config import schema_defaults, section_settings
 from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
@@ -349,16 +348,13 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv=None) -> None:
-    """CLI; individual flags, or ``--config-json '<the evaluate config section>'`` whose keys
-    (see EVAL_DEFAULTS) are overridden by any flag given explicitly.
+    """CLI: artifact paths as flags, the settings as one ``--config-json '<the evaluate config
+    section>'`` (keys: EVAL_DEFAULTS; what it leaves out takes the schema's default).
 
     python -m eagle3flow.eval.evaluate --draft results/draft --target DIR \\
         --eval-prompts results/dataset/eval_prompts.jsonl \\
         --eval-manifest results/hidden_states/eval/manifest.json \\
-        --out results/eval/summary.json [--num-speculative-tokens 3] [--max-tokens 64] \\
-        [--num-prompts 32] [--device auto] [--dtype auto] [--max-model-len N] \\
-        [--tensor-parallel-size 1] [--vllm-python PATH] [--ignore-eos] \\
-        [--eval-split-max-tokens N] [--config-json JSON]
+        --out results/eval/summary.json --config-json '{"num_speculative_tokens": 3, ...}'
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.eval.evaluate", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -368,40 +364,12 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-manifest", default=None,
                         help="eval hidden-state manifest.json (omit to skip step accuracy)")
     parser.add_argument("--out", required=True, help="summary.json to write")
-    parser.add_argument("--config-json", default=None, help="JSON object of EVAL_DEFAULTS keys")
-    parser.add_argument("--num-speculative-tokens", type=int)
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--num-prompts", type=int, help="0 or negative: all prompts")
-    parser.add_argument("--device", help="auto | cpu | cuda")
-    parser.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--tensor-parallel-size", type=int)
-    parser.add_argument("--vllm-python", help="Python interpreter whose environment has vLLM")
-    parser.add_argument("--ignore-eos", action="store_true", default=None)
-    parser.add_argument("--eval-split-max-tokens", type=int)
-    parser.add_argument("--prompt-set", action="append", default=[], metavar="NAME=JSONL",
-                        help="another prompt set (MT-bench questions or {id, messages} rows); repeat")
-    parser.add_argument("--compare-draft", action="append", default=[], metavar="NAME=DIR",
-                        help="another exported draft evaluated side by side; repeat")
+    parser.add_argument("--config-json", default="{}", help="the evaluate section: JSON object of EVAL_DEFAULTS keys")
     args = parser.parse_args(argv)
-
-    config = dict(EVAL_DEFAULTS)
-    if args.config_json:
-        given = json.loads(args.config_json)
-        unknown = sorted(set(given) - set(EVAL_DEFAULTS))
-        if unknown:
-            raise SystemExit(f"--config-json: unknown keys {unknown} (known: {sorted(EVAL_DEFAULTS)})")
-        config.update(given)
-    for key in EVAL_DEFAULTS:
-        value = getattr(args, key, None)
-        if value is not None:
-            config[key] = value
-    for flag, key in (("prompt_set", "prompt_sets"), ("compare_draft", "compare_drafts")):
-        for item in getattr(args, flag):
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise SystemExit(f"--{flag.replace('_', '-')} {item!r}: expected NAME=PATH")
-            config[key] = {**(config[key] or {}), name: path}
+    try:
+        config = section_settings("evaluate", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     if config["num_prompts"] is not None and int(config["num_prompts"]) <= 0:
         config["num_prompts"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

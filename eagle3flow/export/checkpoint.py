@@ -80,8 +80,8 @@ def main(argv=None) -> None:
     parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + draft_config.json")
     parser.add_argument("--vocab-map", required=True)
     parser.add_argument("--target", required=True, help="target model dir (its dtype decides the export dtype)")
-    parser.add_argument("--out-dir", action="append", required=True, metavar="[FORMAT=]DIR",
-                        help=f"where a format goes ({', '.join(FORMATS)}; eagle3 when no FORMAT=); repeat")
+    parser.add_argument("--out-dir", action="extend", nargs="+", required=True, metavar="[FORMAT=]DIR",
+                        help=f"where each format goes ({', '.join(FORMATS)}; eagle3 when no FORMAT=)")
     parser.add_argument("--speculative-tokens", type=int, default=3,
                         help="speculators format: K that `vllm serve <draft>` uses")
     args = parser.parse_args(argv)

@@ -4,13 +4,13 @@ Uploads ``results/draft/`` (config.json, model.safetensors, README.md) to ``hub.
 with huggingface_hub, creating the repository (private unless ``hub.private: false``) if
 needed. The token comes only from the environment variable ``hub.token_env`` (default
 ``HF_TOKEN``): never from the config or the command line, never printed. ``hub.dry_run``
-(or ``--dry-run``) stops right before the first network call and prints what would be
-uploaded, so the rule can be checked offline.
+stops right before the first network call and prints what would be uploaded, so the rule
+can be checked offline.
 
-CLI::
+CLI (the settings: the config's hub section)::
 
-    python -m eagle3flow.export.publish --draft results/draft --repo-id org/name [--token-env HF_TOKEN]
-        [--public] [--dry-run] --record results/draft/published.json
+    python -m eagle3flow.export.publish --draft results/draft --record results/draft/published.json
+        --config-json '{"repo_id": "org/name", "token_env": "HF_TOKEN", "private": true, "dry_run": false}'
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from eagle3flow.config import section_settings
 
 FILES = ("config.json", "model.safetensors", "README.md")
 
@@ -60,14 +62,15 @@ def publish(draft: Path, repo_id: str, token_env: str, private: bool, dry_run: b
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.export.publish", description=__doc__.split("\n")[0])
     parser.add_argument("--draft", required=True, type=Path)
-    parser.add_argument("--repo-id", required=True)
-    parser.add_argument("--token-env", default="HF_TOKEN")
-    parser.add_argument("--public", action="store_true")
-    parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--record", required=True, type=Path)
+    parser.add_argument("--config-json", default="{}", help="the hub section")
     args = parser.parse_args(argv)
     try:
-        record = publish(args.draft, args.repo_id, args.token_env, not args.public, args.dry_run)
+        hub = section_settings("hub", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
+    try:
+        record = publish(args.draft, hub["repo_id"], hub["token_env"], hub["private"], hub["dry_run"])
     except PublishError as error:
         print(f"publish: error: {error}", file=sys.stderr)
         return 1

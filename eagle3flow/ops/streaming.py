@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
+from eagle3flow.config import section_settings
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 from eagle3flow.extract.throughput import THROUGHPUT_FILE, merge_throughput_logs, throughput_path
@@ -196,6 +197,9 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
                previous_out_dir: Path | None = None) -> dict:
     """Train link ``link`` of the chain, then consume it (module docstring); returns the marker.
 
+    ``launch``: the command that starts the trainer, its arguments added here
+    (eagle3flow/train/launch.py trainer_command: this folder does not import train/).
+
     ``out_dir`` gets train.py's outputs (the last link's are the workflow's); the previous
     link's run directory and ``previous_out_dir`` are deleted once this link is consumed.
     """
@@ -228,8 +232,7 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         f"({manifest['num_tokens']:,} tokens, {len(manifest['shards'])} shards), epoch "
         f"{chain.epoch_of(link) + 1}/{chain.epochs}"
         + (f", from {init_from}" if init_from else ", from scratch"))
-    cmd = [sys.executable, "-m", "eagle3flow.train.launch", *launch, "eagle3flow.train.trainer", "--", *args]
-    rc = subprocess.run(cmd).returncode
+    rc = subprocess.run([*launch, *args]).returncode
     if rc != 0:
         raise SystemExit(rc)
 
@@ -321,7 +324,7 @@ def main(argv=None) -> None:
     python -m eagle3flow.ops.streaming train-link --link J --partitions N --epochs E --in-flight F \\
         --train-manifest PART.json [--eval-manifest EVAL.json] [--previous consumed-(J-1).json] \\
         --stats stats.json --vocab-map V --target T --cache-root cache/train --out-dir D \\
-        --config-json '{...}' --marker consumed-J.json [--launch '--nproc auto ...']
+        --config-json '{...}' --marker consumed-J.json -- python -m eagle3flow.train.launch ... --
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.streaming", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,11 +343,12 @@ def main(argv=None) -> None:
     p.add_argument("--cache-root", required=True)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--previous-out-dir", default=None, help="the previous link's out dir, deleted once consumed")
-    p.add_argument("--config-json", default="{}")
+    p.add_argument("--config-json", default="{}", help="the train section")
     p.add_argument("--marker", required=True)
-    p.add_argument("--launch", default="", help="eagle3flow.train.launch options (--nproc, --nodes, --device)")
+    p.add_argument("launch", nargs=argparse.REMAINDER,
+                   help="after --: the command that starts the trainer (its arguments are added)")
     r = sub.add_parser("record-manifest", help="the train manifest of a streamed run, from its markers")
-    r.add_argument("--marker", action="append", required=True, help="consumed markers of the first epoch")
+    r.add_argument("--marker", action="extend", nargs="+", required=True, help="consumed markers of the first epoch")
     r.add_argument("--manifest", required=True)
     args = parser.parse_args(argv)
     if args.command == "record-manifest":
@@ -355,11 +359,15 @@ def main(argv=None) -> None:
         parser.error(f"--link {args.link}: the chain has links 0..{chain.links - 1}")
     if (args.previous is None) != (args.link == 0):
         parser.error("--previous is required for every link but the first (and only then)")
+    try:
+        train_settings = section_settings("train", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     train_link(args.link, chain, Path(args.train_manifest),
                Path(args.eval_manifest) if args.eval_manifest else None,
                Path(args.previous) if args.previous else None, Path(args.stats), Path(args.vocab_map),
-               Path(args.target), Path(args.cache_root), Path(args.out_dir), json.loads(args.config_json),
-               Path(args.marker), args.launch.split(),
+               Path(args.target), Path(args.cache_root), Path(args.out_dir), train_settings,
+               Path(args.marker), args.launch[1:] if args.launch[:1] == ["--"] else args.launch,
                Path(args.previous_out_dir) if args.previous_out_dir else None)
 
 

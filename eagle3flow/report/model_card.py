@@ -24,6 +24,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eagle3flow.atomic import write_text
+from eagle3flow.config import section_settings
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
@@ -150,12 +151,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dataset-stats", type=Path)
     parser.add_argument("--train-eval", type=Path)
     parser.add_argument("--target", required=True)
-    parser.add_argument("--base-model", default=None)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--config-json", default="{}", help="the hub section (base_model)")
     args = parser.parse_args(argv)
+    try:
+        hub = section_settings("hub", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
     card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
-                  read(args.train_eval), base_model_name(args.target, args.base_model))
+                  read(args.train_eval), base_model_name(args.target, hub["base_model"]))
     write_text(args.out, card)
     return 0
 

@@ -327,7 +327,7 @@ def main(argv=None) -> None:
         --eval-summary results/eval/summary.json --train-metrics results/train/metrics.jsonl \\
         --train-eval results/train/eval.json --vocab-stats results/vocab/stats.json \\
         --dataset-stats results/dataset/stats.json \\
-        --manifest results/hidden_states/train/manifest.json [--manifest ...] \\
+        --manifest results/hidden_states/train/manifest.json [MANIFEST ...] \\
         [--downtime results/service/downtime.json] [--config-json JSON]
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.report.render", description=main.__doc__,
@@ -338,7 +338,7 @@ def main(argv=None) -> None:
     parser.add_argument("--train-eval", default=None)
     parser.add_argument("--vocab-stats", required=True)
     parser.add_argument("--dataset-stats", required=True)
-    parser.add_argument("--manifest", action="append", default=[], help="repeat per split")
+    parser.add_argument("--manifest", action="extend", nargs="+", default=[], help="one per split")
     parser.add_argument("--downtime", default=None, help="service downtime JSON, if any")
     parser.add_argument("--config-json", default=None, help="the workflow config, shown as is")
     args = parser.parse_args(argv)

@@ -24,6 +24,15 @@ import subprocess
 import sys
 
 RDZV_PORT = 29517
+TRAINER = "eagle3flow.train.trainer"
+
+
+def trainer_command(train: dict, python: str = "python") -> list[str]:
+    """The command that starts the trainer on every GPU of the job as the config's train
+    section says (nproc, nodes, device); the trainer's own arguments follow it. The one
+    launch line of train_draft and of each streaming link (rules/common.smk trainer_launch)."""
+    return [python, "-m", "eagle3flow.train.launch", "--nproc", str(train["nproc"] or "auto"),
+            "--nodes", str(train["nodes"]), "--device", train["device"], TRAINER, "--"]
 
 
 def visible_cuda_devices() -> int:

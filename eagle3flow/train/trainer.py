@@ -42,7 +42,6 @@ kept besides the last ``keep_checkpoints``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -52,6 +51,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3flow.atomic import write_json
+from eagle3flow.config import section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
@@ -60,7 +60,7 @@ from eagle3flow.train.build import build_draft, load_vocab_map
 from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
                                          init_state_path, list_checkpoints, read_state, restore_training_state,
                                          save_checkpoint, training_state)
-from eagle3flow.train.config import TRAIN_DEFAULTS, resolve_train_config
+from eagle3flow.train.config import TRAIN_DEFAULTS
 from eagle3flow.train.data import BatchLoader, EpochPlans, ShardData, rank_share
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.eval_split import evaluate_split
@@ -82,7 +82,7 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
     LR schedule spans (default: this manifest's x epochs, counted in steps); ``data_epoch``:
     the number of this run's first epoch (seeds the shuffle).
     """
-    cfg = resolve_train_config(config)
+    cfg = section_settings("train", config)
     if schedule_tokens is not None and int(schedule_tokens) < 1:
         raise ValueError(f"schedule_tokens must be >= 1, got {schedule_tokens}")
     if int(data_epoch) < 0:
@@ -331,7 +331,7 @@ def main(argv=None) -> None:
     parser.add_argument("--target", required=True, help="target model dir (embeddings, norm, lm_head)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--cache-root", required=True)
-    parser.add_argument("--config-json", default="{}", help=f"JSON with keys of {sorted(TRAIN_DEFAULTS)}")
+    parser.add_argument("--config-json", default="{}", help=f"the train section: JSON with keys of {sorted(TRAIN_DEFAULTS)}")
     parser.add_argument("--init-from", default=None,
                         help="chained run: start from this checkpoint (.../step-XXXXXXXX) when "
                              "this run has none of its own")
@@ -341,9 +341,9 @@ def main(argv=None) -> None:
                         help="chained run: the number of this run's first epoch (seeds the shuffle)")
     args = parser.parse_args(argv)
     try:
-        config = json.loads(args.config_json)
-    except json.JSONDecodeError as e:
-        parser.error(f"--config-json is not valid JSON: {e}")
+        config = section_settings("train", args.config_json)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
     limit_cpu_threads()
     train(args.train_manifest, args.eval_manifest, args.vocab_map, args.target, args.out_dir,
           args.cache_root, config, init_from=args.init_from, schedule_tokens=args.schedule_tokens,

@@ -1,6 +1,6 @@
 """vLLM extraction on CUDA equals the HF backend on CUDA, per target and dtype.
 
-The real CLI (``python -m eagle3flow.extract --backend vllm``: the engine, this
+The real CLI (``python -m eagle3flow.extract``, backend vllm: the engine, this
 project's KV connector, the shard writer) on a random Llama of the embedded target's
 shape and on a tiny DeepSeek-V3 (MLA + MoE), then the HF backend on the same data in
 the same dtype; every sample compared layer by layer. One engine at a time: each takes
@@ -14,6 +14,7 @@ in both backends independently.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,11 +59,10 @@ def run_vllm_cli(work: Path, name: str) -> tuple[Path, float, str]:
     target, dtype, storage = RUNS[name]
     aux = LLAMA_AUX if target == "llama" else DEEPSEEK_AUX
     out = work / name
-    cmd = [sys.executable, "-m", "eagle3flow.extract", "--backend", "vllm",
-           "--target", str(work / target / "target"), "--cache-root", str(work / "cache"),
-           "--aux-layer-ids", ",".join(map(str, aux)), "--device", "cuda", "--dtype", dtype,
-           "--storage-dtype", storage, "--batch-tokens", "96", "--shard-tokens", "120",
-           "--split-name", "train", "--dataset", str(work / "train.parquet"),
+    settings = {"backend": "vllm", "aux_layer_ids": aux, "device": "cuda", "dtype": dtype,
+                "storage_dtype": storage, "batch_tokens": 96, "shard_tokens": 120}
+    cmd = [sys.executable, "-m", "eagle3flow.extract", "--target", str(work / target / "target"),
+           "--cache-root", str(work / "cache"), "--config-json", json.dumps(settings), "--split-name", "train", "--dataset", str(work / "train.parquet"),
            "--manifest", str(out / "vllm" / "manifest.json")]
     t0 = time.monotonic()
     result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)

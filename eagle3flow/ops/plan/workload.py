@@ -5,9 +5,9 @@ stages, else estimated (each number says its basis). No torch."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from eagle3flow.config import regenerate_url
 from eagle3flow.ops.plan.stages import layout
 from eagle3flow.ops.plan.sizes import format_bytes, tree_bytes
 from eagle3flow.ops.streaming import read_json
@@ -143,8 +143,7 @@ def answer_tokens(config: dict, root: Path) -> tuple[float, int, str]:
 def serving_rate(config: dict, root: Path) -> tuple[float, float, str]:
     """(completion tokens/s of the target's server, its start-up s, basis): measured by the
     last regeneration (its stats, or its cache's rate.json while it ran), else assumed."""
-    self_served = (not config["regenerate"].get("base_url") and not os.environ.get("EAGLE3FLOW_REGENERATE_URL")
-                   and not config["target"]["path"])
+    self_served = not regenerate_url(config) and not config["target"]["path"]
     startup = ASSUMED_SELF_SERVED_STARTUP_S if self_served else 0.0
     stats = read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
     sent = stats.get("sent") or {}

@@ -1,0 +1,111 @@
+"""Config values reach the stages' command lines as the arguments they are: a dry run
+that prints every shell command (`snakemake -n -p`) with hostile values, each command
+split as the shell splits it."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from support.workflow import snakemake, workflow_copy
+
+# Each would split into several arguments or run a command if it reached the shell as is.
+HOSTILE = {
+    "paths": {"results": "res ults/$(touch PWNED)", "cache": "ca che;touch PWNED", "logs": "lo gs`touch PWNED`"},
+    "hub": {"base_model": "org/x $(touch PWNED)", "repo_id": "me/d; touch PWNED"},
+    "evaluate": {"vllm_python": "/opt/vllm env/bin/python; touch PWNED"},
+    "dataset": {"chat_template_kwargs": {"note": "it's $(touch PWNED)"}},
+}
+HOSTILE_STRINGS = [*HOSTILE["paths"].values(), HOSTILE["hub"]["base_model"], HOSTILE["hub"]["repo_id"],
+                   HOSTILE["evaluate"]["vllm_python"], HOSTILE["dataset"]["chat_template_kwargs"]["note"]]
+
+
+def printed_commands(output: str) -> list[list[str]]:
+    """Every shell command of a `snakemake -n -p` run, as the shell splits it."""
+    return [shlex.split(line.removeprefix("Shell command: ")) for line in output.splitlines()
+            if line.startswith("Shell command: ") and line != "Shell command: None"]
+
+
+def dry_run(tmp_path: Path, profile: str, config: dict, *targets: str):
+    workdir = workflow_copy(tmp_path / "wf")
+    (workdir / "hostile.json").write_text(json.dumps(config))
+    configfiles = [str(p) for p in sorted((workdir / "profiles").glob(f"{profile}/workflow.yaml"))]
+    if profile == "embedded-regenerate":
+        configfiles.insert(0, "profiles/embedded/workflow.yaml")
+    return workdir, snakemake(workdir, "-n", "-p", "--forceall", "--profile", f"profiles/{profile}",
+                              *targets, "--configfile", *configfiles, "hostile.json", timeout=300)
+
+
+def value_after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def path_after(argv: list[str], flag: str) -> str:
+    """The path after ``flag``, without the format export's --out-dir names first (eagle3=DIR)."""
+    value = value_after(argv, flag)
+    return value.split("=", 1)[1] if value.startswith(("eagle3=", "speculators=")) else value
+
+
+@pytest.mark.parametrize("profile, targets", [("embedded-regenerate", ("all", "publish_draft")),
+                                              ("local-8gpu", ())])
+def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, profile, targets):
+    workdir, result = dry_run(tmp_path, profile, HOSTILE, *targets)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    commands = printed_commands(result.stdout)
+    modules = {argv[i + 1] for argv in commands for i, arg in enumerate(argv) if arg == "-m"}
+    expected = {"eagle3flow.data.dataset", "eagle3flow.extract", "eagle3flow.train.launch", "eagle3flow.eval.evaluate",
+                "eagle3flow.report.render", "eagle3flow.export.checkpoint"}
+    if profile == "local-8gpu":
+        expected.add("eagle3flow.ops.drain.service")
+    else:
+        expected |= {"eagle3flow.data.regenerate", "eagle3flow.data.compare_answers", "eagle3flow.export.publish",
+                     "eagle3flow.report.model_card"}
+    assert expected <= modules, modules
+    for argv in commands:
+        assert "" not in argv, f"a flag without its value: {argv}"
+        for arg in argv:
+            if "PWNED" in arg:
+                assert any(value in arg for value in HOSTILE_STRINGS), (arg, argv)
+            if arg.startswith(("{", "[")):
+                json.loads(arg)
+        for flag in ("--out-dir", "--log", "--manifest", "--cache-root", "--record", "--out"):
+            if flag in argv:
+                assert path_after(argv, flag).startswith(tuple(HOSTILE["paths"].values())), (flag, argv)
+        if "--vllm-python" in argv:
+            assert value_after(argv, "--vllm-python") == HOSTILE["evaluate"]["vllm_python"]
+        # a stage's settings: its config section, each value as it was given
+        settings = json.loads(value_after(argv, "--config-json")) if "--config-json" in argv else {}
+        for section, values in HOSTILE.items():
+            for key, value in values.items():
+                if key in settings and section != "paths":
+                    assert settings[key] == value, (key, argv)
+        # every command's log, with the pipe into it left to the shell
+        if "tee" in argv:
+            assert argv[argv.index("tee") - 1] == "|"
+            assert value_after(argv, "tee").startswith(HOSTILE["paths"]["logs"] + "/")
+    assert not list(workdir.rglob("PWNED"))
+
+
+@pytest.mark.parametrize("section", ["extract", "train", "evaluate"])
+def test_a_device_that_names_no_device_is_refused_naming_its_key(tmp_path, section):
+    workdir, result = dry_run(tmp_path, "embedded", {section: {"device": "cuda; touch PWNED"}})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "cuda; touch PWNED" in output and f"['{section}']['device']" in output, output[-4000:]
+    assert not list(workdir.rglob("PWNED"))
+
+
+def test_a_results_path_with_a_space_works(tmp_path):
+    """A job run for real where paths.results and paths.logs hold spaces."""
+    workdir = workflow_copy(tmp_path / "wf")
+    config = {"paths": {"results": "my results", "logs": "my logs"}, "dataset": {"builtin_prompts": 4}}
+    (workdir / "spaces.json").write_text(json.dumps(config))
+    result = snakemake(workdir, "--profile", "profiles/smollm2", "--cores", "1", "my results/prompts/builtin_prompts.jsonl",
+                       "--configfile", "profiles/smollm2/workflow.yaml", "spaces.json", timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    prompts = (workdir / "my results" / "prompts" / "builtin_prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 4
+    assert (workdir / "my logs" / "write_builtin_prompts.log").is_file()
