@@ -78,6 +78,10 @@ LOCAL_CORES = workflow.resource_settings.cores or workflow.resource_settings.loc
 COMPUTE_THREADS = LOCAL_CORES if GPUS == 0 else 1
 DRAIN = config["drain"]
 SERVICE_DIR = f"{RESULTS}/service"
+# target.trust_remote_code, appended to the command of every stage that loads the target
+# (tokenizer, transformers, vLLM). Nothing when off: the commands stay what they were, so
+# switching to this version reruns nothing.
+TRUST_REMOTE_CODE = " --trust-remote-code" if config["target"]["trust_remote_code"] else ""
 
 
 def normalize_aux_layer_ids():

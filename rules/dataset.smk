@@ -31,4 +31,5 @@ rule prepare_dataset:
         " --max-bad-fraction {params.cfg[max_bad_fraction]} --num-workers {params.cfg[num_workers]}"
         " --chat-template-kwargs {params.template_kwargs} {params.regenerated}"
         + (" --max-samples {params.cfg[max_samples]}" if config["dataset"]["max_samples"] else "")
+        + TRUST_REMOTE_CODE
         + " 2>&1 | tee {log}"

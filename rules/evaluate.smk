@@ -26,3 +26,4 @@ rule evaluate_draft:
         " python -m eagle3flow.eval.evaluate --draft {params.draft_dir} --target {input.target:q}"
         " --eval-prompts {input.eval_prompts} --eval-manifest {input.eval_manifest}"
         " --out {output.summary} --config-json {params.cfg}"
+        + TRUST_REMOTE_CODE

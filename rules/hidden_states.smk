@@ -49,6 +49,7 @@ rule extract_hidden_states:
         " --batch-tokens {params.cfg[batch_tokens]} --shard-tokens {params.cfg[shard_tokens]}"
         " --max-length {params.data[max_length]} --length-policy {params.data[length_policy]}"
         "{params.layers}"
+        + TRUST_REMOTE_CODE
 
 
 # Reads N small JSON files: runs where Snakemake runs, never as a cluster job.

@@ -26,7 +26,9 @@ rule write_model_card:
         "python -m eagle3flow.report.model_card --draft {params.draft_dir} --eval-summary {input.eval_summary}"
         " --vocab-stats {input.vocab_stats} --dataset-stats {input.dataset_stats}"
         " --train-eval {input.train_eval} --target {input.target:q} {params.base_model}"
-        " --out {output.card} 2>&1 | tee {log}"
+        " --out {output.card}"
+        + TRUST_REMOTE_CODE
+        + " 2>&1 | tee {log}"
 
 
 rule publish_draft:

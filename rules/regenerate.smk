@@ -50,7 +50,9 @@ rule regenerate_responses:
         " --out-dir {params.out_dir} --cache-root {params.cache} --config-json {params.cfg}"
         " --format {params.dataset[format]} --seed {params.dataset[seed]}"
         " --max-samples {params.max_samples} --chat-template-kwargs {params.template_kwargs}"
-        " {params.serve} 2>&1 | tee {log}"
+        " {params.serve}"
+        + TRUST_REMOTE_CODE
+        + " 2>&1 | tee {log}"
 
 
 rule train_original_answers_draft:

@@ -18,8 +18,6 @@ prompt). Works for any chat template, no per-model rules:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 
@@ -185,17 +183,3 @@ class ChatMasker:
             raise MaskError(f"sample {sample_id!r}: loss mask is all 1 (nothing but assistant "
                             "tokens; the chat template or the data is wrong)")
         return input_ids, loss_mask
-
-
-def load_tokenizer(path: str | Path):
-    """The target's fast tokenizer (local directory only, never downloads)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a tokenizer from {str(path)!r} (needs tokenizer.json and "
-                         f"tokenizer_config.json): {error}") from error

@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         --cache-root cache/hidden_states [--aux-layer-ids 2,4,5] [--dtype auto] \\
         [--storage-dtype auto|fp8] [--device auto] [--batch-tokens N] [--shard-tokens N] \\
         [--max-length N] [--length-policy truncate|drop] [--partition K --partitions N] \\
-        [--split-name train]
+        [--split-name train] [--trust-remote-code]
 
     With --partitions N, this job extracts only the K-th of N runs of shards (0-based)
     and its manifest lists only those; `python -m eagle3flow.extract.shards merge` joins them.
@@ -80,6 +80,8 @@ def main(argv=None) -> None:
                              "sees several CUDA devices, else hf")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="vllm backend: GPUs the target is split over (default: all visible; 1 on CPU)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
     limit_cpu_threads()
     split_names = args.split_name or ["train"] * len(args.dataset)
@@ -97,7 +99,8 @@ def main(argv=None) -> None:
                 shard_tokens=args.shard_tokens, max_length=args.max_length,
                 length_policy=args.length_policy, storage_dtype=args.storage_dtype,
                 split_name=split_name, partition=(args.partition, args.partitions),
-                fingerprint_extra=vllm_backend.FINGERPRINT if use_vllm else None)
+                fingerprint_extra=vllm_backend.FINGERPRINT if use_vllm else None,
+                trust_remote_code=args.trust_remote_code)
         for dataset, manifest, split_name in zip(args.dataset, args.manifest, split_names)]
     check_disk_room(extractions)
     if use_vllm:
