@@ -84,8 +84,10 @@ SERVICE_DIR = f"{RESULTS}/service"
 # (tokenizer, transformers, vLLM). Nothing when off: the commands stay what they were, so
 # switching to this version reruns nothing.
 TRUST_REMOTE_CODE = " --trust-remote-code" if config["target"]["trust_remote_code"] else ""
-# What every drain job waits for: the checks that need no GPU passed (rules/preflight.smk).
+# The checks that need no GPU passed (rules/preflight.smk): `snakemake preflight` writes
+# PREFLIGHT_OK; each drain job waits for its own, PREFLIGHT_FOR_DRAIN with its stage and key.
 PREFLIGHT_OK = f"{RESULTS}/preflight/ok.json"
+PREFLIGHT_FOR_DRAIN = f"{RESULTS}/preflight/ok_for_{{stage}}.{{key}}.json"
 
 
 def normalize_aux_layer_ids():

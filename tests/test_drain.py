@@ -448,8 +448,8 @@ def test_workflow_drains_once_restores_after_training_and_reruns_without_touchin
         again = run_snakemake(box, workdir, *args, "--until", "train_draft")
         assert again.returncode == 0, again.stderr[-3000:]
         assert (box.systemd / "calls.log").read_text() == calls and len(box.downtime()) == 1
-        # A changed drain setting changes drain_service's and the preflight's commands: still
-        # nothing to run (Snakemake's records of their gone temp flags are forgotten,
+        # A changed drain setting changes drain_service's and the preflights' commands: still
+        # nothing to run (Snakemake's records of their gone temp files are forgotten,
         # eagle3flow/ops/temp_records.py; kept, they would rerun every GPU stage).
         changed = tiny_config(box, tmp_path / "changed.json", poll_interval_s=0.2)
         dry = run_snakemake(box, workdir, "-n", *snakemake_args(workdir, changed), "--until", "train_draft")

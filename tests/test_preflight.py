@@ -5,8 +5,8 @@ and the stand-in unit of tests/fixtures/service (a fake vLLM unit behind a stand
 systemctl that logs every call to calls.log). The target is a small random Llama with a
 chat tokenizer; the dataset a few conversations. Each misconfiguration is refused, naming
 its key or file: the config-only ones when the workflow is read (`snakemake -n` already),
-the others by the preflight job that every drain job waits for. The unit is never stopped
-and stays healthy, and no drain job starts.
+the others by the preflight job each drain job waits for. The unit is never stopped and
+stays healthy, and no drain job starts.
 
 The rows go to misconfigurations.md in the run's reports folder (tests/conftest.py:
 REPORTS); `EAGLE3FLOW_TEST_REPORTS=docs pytest tests/test_preflight.py` rewrites the
@@ -88,8 +88,9 @@ def render(rows: list[dict]) -> str:
            "`snakemake --profile local-8gpu` run (stand-in systemctl and vLLM unit, tests/fixtures/service)",
            "with one mistake in an otherwise good config, the message copied from its output. *When the",
            "workflow is read* means `snakemake -n` and `python -m eagle3flow.ops.plan` refuse it too, before",
-           "any job; *preflight job* means rule `preflight` (rules/preflight.smk), which every `drain_service`",
-           "job waits for. \"Unit stopped\" counts `systemctl stop` calls in the stand-in's calls.log;",
+           "any job; *preflight job* means the job of rule `preflight_before_drain` (rules/preflight.smk) that",
+           "its `drain_service` job waits for. \"Unit stopped\" counts `systemctl stop` calls in the stand-in's",
+           "calls.log;",
            "`<targets>` is the test's temporary folder of target directories.", "",
            "| misconfiguration | refused | message | unit stopped | drain jobs started |",
            "| --- | --- | --- | --- | --- |"]
@@ -178,18 +179,21 @@ def test_misconfiguration_is_refused_before_any_drain(case, box, targets, workdi
     if case.refused_by == "read":
         assert dry.returncode != 0 and case.expected in dry_out, dry_out[-3000:]
     else:
-        # The DAG holds the preflight, and every drain job waits for it.
+        # Every drain job waits for a preflight job of its own.
         assert dry.returncode == 0, dry_out[-3000:]
-        drains = [block for block in dry.stdout.split("\nrule ")[1:] if block.startswith("drain_service:")]
-        assert drains and all("results/preflight/ok.json" in block.split("output:")[0] for block in drains), \
-            dry.stdout[-3000:]
+        blocks = dry.stdout.split("\nrule ")[1:]
+        drains = [b.split("output:")[0] for b in blocks if b.startswith("drain_service:")]
+        preflights = [b for b in blocks if b.startswith("preflight_before_drain:")]
+        assert drains and len(preflights) == len(drains), dry.stdout[-3000:]
+        assert all("results/preflight/ok_for_" in inputs for inputs in drains), dry.stdout[-3000:]
 
     result = run(box, workdir, *args, "--until", "extract_hidden_states")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert case.expected in output, output[-3000:]
     if case.refused_by == "preflight":
-        assert case.expected in (workdir / "logs" / "preflight.log").read_text()
+        logs = [p.read_text() for p in (workdir / "logs").glob("preflight_*.log")]
+        assert logs and all(case.expected in log for log in logs), logs
     drain_logs = sorted(p.name for p in (workdir / "logs").glob("drain_service_*.log"))
     assert not drain_logs, f"a drain job started: {drain_logs}"
     assert not box.calls("stop"), box.calls("stop")

@@ -2,8 +2,9 @@
 
 On a box whose production vLLM unit holds the GPUs, every GPU stage first stops that unit,
 and loading a large target takes ~25 min: a mistake found then has already cost the
-service its downtime. So rule ``preflight`` (rules/preflight.smk) runs this first, and
-every ``drain_service`` job takes its output as input. It reports every problem at once:
+service its downtime. So every ``drain_service`` job waits for a job of rule
+``preflight_before_drain`` (rules/preflight.smk) that runs this as soon as the target and
+the dataset exist (``snakemake preflight`` runs it alone). It reports every problem at once:
 
 * the config: the schema (its bounds), the combinations no run can finish
   (eagle3flow/config.py, e.g. drain.unit unset while draining), ``train.draft``'s keys.

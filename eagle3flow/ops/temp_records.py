@@ -1,11 +1,12 @@
 """Forget Snakemake's records of this workflow's temp flags once the flags are gone.
 
-The drain flags (``drained_for_<stage>.<key>.flag``) and the preflight's ``ok.json`` are
+The drain flags (``drained_for_<stage>.<key>.flag``) and the preflight's ``ok*.json`` are
 temp() outputs: each lives only while its run needs it. Snakemake keeps its metadata
 record of such a file after deleting the file, and judges the rule by that record: a
-changed command, parameter or input set of ``drain_service`` or ``preflight`` (a new
-version of the workflow, an edited drain setting) then marks the job to run again, and
-with it every GPU stage behind it, though their outputs are all there. A record of a file
+changed command, parameter or input set of ``drain_service`` or a preflight rule (a new
+version of the workflow, an edited drain setting, any config edit for the preflight,
+which reads the whole config) then marks the job to run again, and with it every GPU
+stage behind it, though their outputs are all there. A record of a file
 that no longer exists describes nothing, so the workflow drops it when it is read, dry
 runs too (so that ``snakemake -n`` and the plan show what the run will do): these jobs
 then run only when a GPU stage must.
