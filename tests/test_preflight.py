@@ -90,8 +90,7 @@ def render(rows: list[dict]) -> str:
            "workflow is read* means `snakemake -n` and `python -m eagle3flow.ops.plan` refuse it too, before",
            "any job; *preflight job* means the job of rule `preflight_before_drain` (rules/preflight.smk) that",
            "its `drain_service` job waits for. \"Unit stopped\" counts `systemctl stop` calls in the stand-in's",
-           "calls.log;",
-           "`<targets>` is the test's temporary folder of target directories.", "",
+           "calls.log; `<targets>` is the test's temporary folder of target directories.", "",
            "| misconfiguration | refused | message | unit stopped | drain jobs started |",
            "| --- | --- | --- | --- | --- |"]
     for r in rows:
