@@ -12,9 +12,11 @@ configfile: "config.yaml"
 
 
 # --config "train={epochs: 5}" hands over "5": typed as the schema says, then validated.
-from eagle3flow.config import coerce_config
+from eagle3flow.config import check_schema, coerce_config
 
 coerce_config(config, f"{workflow.basedir}/schemas/config.schema.yaml")
+# Every problem at once, named by its key (Snakemake's validate names the first, by schema path).
+check_schema(config, f"{workflow.basedir}/schemas/config.schema.yaml")
 
 
 validate(config, "schemas/config.schema.yaml")
@@ -37,6 +39,7 @@ include: "rules/publish.smk"
 
 report: "report/workflow.rst"
 include: "rules/drain.smk"
+include: "rules/preflight.smk"
 
 
 rule all:

@@ -67,6 +67,32 @@ def coerce_config(config: dict, schema_path: str) -> None:
     config.update(coerce_to_schema(dict(config), schema))
 
 
+def schema_problems(config: dict, schema: dict | None = None) -> list[str]:
+    """Every place ``config`` breaks the schema, one line each, named by its key
+    (``evaluate.num_prompts: -5 is less than the minimum of 1``)."""
+    # jsonschema comes with Snakemake; imported here so the service environment's
+    # modules that only read the config need none of it.
+    import jsonschema
+
+    def line(error) -> str:
+        # The key's own description says what it takes; its first sentence is enough.
+        about = " ".join(str(error.schema.get("description", "")).split()).split(". ")[0].rstrip(".")
+        return (f"{'.'.join(map(str, error.absolute_path)) or 'the config'}: {error.message}"
+                + (f" ({about})" if about else ""))
+
+    validator = jsonschema.Draft202012Validator(schema or _schema())
+    return sorted(line(error) for error in validator.iter_errors(config))
+
+
+def check_schema(config: dict, schema_path: str) -> None:
+    """For the Snakefile, before Snakemake's validate (which names only the first
+    problem, by schema path): every problem at once, by key (ValueError)."""
+    with open(schema_path) as f:
+        problems = schema_problems(config, yaml.safe_load(f))
+    if problems:
+        raise ValueError(f"the config does not fit {os.path.basename(schema_path)}:\n  " + "\n  ".join(problems))
+
+
 @functools.cache
 def _schema() -> dict:
     with open(SCHEMA) as f:
@@ -209,6 +235,14 @@ def regenerate_stage_settings(config: dict) -> dict:
 
 def check_workflow_config(config: dict, environ=os.environ) -> None:
     """Refuse, before any job, the combinations no run can finish (ValueError)."""
+    drain = config["drain"]
+    if drain["enabled"] and not drain["unit"]:
+        # Refused when the workflow is read, not by the drain job: a run that would stop
+        # nothing should not first spend its CPU stages (and regenerate) to find out.
+        raise ValueError(
+            "drain.enabled is true but drain.unit is not set: set drain.unit to the systemd unit "
+            "that serves the target (e.g. vllm-kimi-k25-int4.service), or drain.enabled: false "
+            "where nothing holds the GPUs")
     regenerate = config["regenerate"]
     if uses_builtin_prompts(config) and not regenerate["enabled"]:
         raise ValueError(

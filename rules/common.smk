@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 
 from eagle3flow import config as config_lib
 from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
+from eagle3flow.model.config import check_override_keys
 from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
 from eagle3flow.ops.drain.state import DRAINED_STAGES, ServiceError, run_id_of, unit_state_dir
@@ -58,6 +59,7 @@ TARGET = config_lib.target_path(config, {"embedded": f"{EMBEDDED_DIR}/target",
 USES_BUILTIN_PROMPTS = config_lib.uses_builtin_prompts(config)
 DATASET = config_lib.dataset_path(config, BUILTIN_PROMPTS, f"{EMBEDDED_DIR}/conversations.jsonl")
 config_lib.check_workflow_config(config)
+check_override_keys(config["train"]["draft"])
 REGENERATE_DIR = f"{RESULTS}/regenerate"
 # The target's own answers (rules/regenerate.smk), which prepare_dataset takes when enabled.
 REGENERATED = f"{REGENERATE_DIR}/responses.jsonl" if config["regenerate"]["enabled"] else None
@@ -88,6 +90,14 @@ try:
     UNIT_STATE_DIR = str(unit_state_dir(DRAIN)) if DRAIN["enabled"] and DRAIN["unit"] else None
 except ServiceError as error:
     raise WorkflowError(str(error))
+# target.trust_remote_code, appended to the command of every stage that loads the target
+# (tokenizer, transformers, vLLM). Nothing when off: the commands stay what they were, so
+# switching to this version reruns nothing.
+TRUST_REMOTE_CODE = " --trust-remote-code" if config["target"]["trust_remote_code"] else ""
+# The checks that need no GPU passed (rules/preflight.smk): `snakemake preflight` writes
+# PREFLIGHT_OK; each drain job waits for its own, PREFLIGHT_FOR_DRAIN with its stage and key.
+PREFLIGHT_OK = f"{RESULTS}/preflight/ok.json"
+PREFLIGHT_FOR_DRAIN = f"{RESULTS}/preflight/ok_for_{{stage}}.{{key}}.json"
 
 
 def normalize_aux_layer_ids():

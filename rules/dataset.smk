@@ -22,4 +22,6 @@ rule prepare_dataset:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.dataset --input {params.source:q} --tokenizer {input.target:q}"
-        " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg} 2>&1 | tee {log:q}"
+        " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg}"
+        + TRUST_REMOTE_CODE
+        + " 2>&1 | tee {log:q}"

@@ -5,6 +5,8 @@ include: "drain_helpers.smk"
 rule drain_service:
     input:
         unpack(drained_stage_inputs),
+        # Production is stopped only for a run that passed every check needing no GPU.
+        preflight=PREFLIGHT_FOR_DRAIN,
     output:
         flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.{{key}}.flag"),
     params:

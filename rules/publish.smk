@@ -27,7 +27,9 @@ rule write_model_card:
         "python -m eagle3flow.report.model_card --draft {params.draft_dir:q} --eval-summary {input.eval_summary:q}"
         " --vocab-stats {input.vocab_stats:q} --dataset-stats {input.dataset_stats:q}"
         " --train-eval {input.train_eval:q} --target {input.target:q} --out {output.card:q}"
-        " --config-json {params.hub} 2>&1 | tee {log:q}"
+        " --config-json {params.hub}"
+        + TRUST_REMOTE_CODE
+        + " 2>&1 | tee {log:q}"
 
 
 rule publish_draft:

@@ -108,7 +108,9 @@ def test_combinations_no_run_can_finish_are_refused():
                    regenerate={"enabled": True}) is None
     assert "needs regenerate.enabled" in refusal(regenerate={"compare_original_answers": True})
     assert "not drained for" in refusal(regenerate={"enabled": True, "compare_original_answers": True},
-                                        drain={"enabled": True})
+                                        drain={"enabled": True, "unit": "vllm.service"})
+    assert "drain.unit is not set" in refusal(drain={"enabled": True, "unit": None})
+    assert refusal(drain={"enabled": False, "unit": None}) is None
 
 
 def test_regenerate_url_comes_from_the_config_before_the_environment():

@@ -20,11 +20,12 @@ import pytest
 from conftest import REPO, SHARED
 from support.builders import TOOL_ROW, TOOLS
 from support.targets import CONVERSATION, FAMILIES, make_chat_tokenizer
-from eagle3flow.data.chat_masks import ChatMasker, MaskError, load_tokenizer
+from eagle3flow.data.chat_masks import ChatMasker, MaskError
 from eagle3flow.data.dataset import DatasetConfig, prepare_dataset
 from eagle3flow.data.order import make_unique
 from eagle3flow.data.records import BadRow, conversation_from_record
 from eagle3flow.data.sources import DatasetError
+from eagle3flow.target.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DATA = FIXTURES / "datasets"

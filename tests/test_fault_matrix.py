@@ -356,9 +356,10 @@ def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
 
 @pytest.mark.slow
 def test_gpu_stage_that_fails(scenario):
-    """Extraction crashes after the drain (an impossible device): the stage's end restores
-    the unit at once with the stage's real status."""
-    sc = scenario(extract={"device": "no-such-device"})
+    """Extraction crashes after the drain (a device the node has not; the config's form
+    of it is valid, so the preflight lets it pass): the stage's end restores the unit at
+    once with the stage's real status."""
+    sc = scenario(extract={"device": "cuda:99"})
     result = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
     records = sc.box.downtime()
@@ -680,6 +681,8 @@ def gpu_job_requests(stdout: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("profile", PROFILES)
 def test_dry_run_matrix(dry_workdir, profile, variant):
     extra = variant_config(dry_workdir, profile, variant)
+    if profile == "local-8gpu":
+        extra["drain"] = {"unit": "vllm.service"}   # the operator's setting; unset is refused
     configfiles = [f"profiles/{p}/workflow.yaml" for p in
                    (["embedded", "embedded-regenerate"] if profile == "embedded-regenerate" else [profile])]
     extra_file = dry_workdir / f"extra-{profile}-{variant.replace(' ', '_').replace('>', 'gt')}.json"
@@ -739,6 +742,7 @@ def test_dry_runs_change_nothing(tmp_path):
     owners.write_text(json.dumps(data))
     before = snapshot(workdir)
     for args in (["-n"], ["--lint"], ["--dag"], ["--summary"]):
-        result = snakemake(workdir, *args, "--profile", "profiles/local-8gpu", timeout=300)
+        result = snakemake(workdir, *args, "--profile", "profiles/local-8gpu",
+                           "--config", "drain={unit: vllm.service}", timeout=300)
         assert snapshot(workdir) == before, (args, result.stdout[-2000:], result.stderr[-2000:])
     assert (locks / "0.output.lock").exists() and (service / "drained_for_extract_hidden_states.0.flag").exists()

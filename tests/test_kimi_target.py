@@ -3,9 +3,9 @@ its remote tokenizer and chat format, the loss mask, the config and weight reade
 draft config, HF extraction, and vLLM's CPU build.
 
 What runs today and what waits: the tokenizer, the template, the readers and the draft
-config work, and the loss mask with Kimi's own slow tokenizer (no offsets); the project's
-tokenizer loader and the HF backend do not yet (strict xfails, each reason says what they
-wait for). Without
+config work, the project's tokenizer loader (with target.trust_remote_code; refused
+without it) and the loss mask with Kimi's own slow tokenizer (no offsets); the HF backend
+does not yet (a strict xfail says what it waits for). Without
 ``trust_remote_code`` transformers 5 does not refuse Kimi's tokenizer: it converts
 ``tiktoken.model`` to a fast tokenizer with a generic split, which tokenizes some text
 differently from Kimi's (asserted below). On vLLM's CPU build the wrapper (vision
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3flow.data.chat_masks import ChatMasker, load_tokenizer
+from eagle3flow.data.chat_masks import ChatMasker
+from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.target.config import load_target_config, read_config_file
 from eagle3flow.target.weights import load_target_head, tensor_locations
@@ -104,12 +105,18 @@ def test_remote_tokenizer_is_kimis(kimi, remote_tokenizer):
 
 
 def test_without_trust_remote_code_transformers_converts_it_with_another_split(kimi, remote_tokenizer):
-    """Not refused: transformers 5 maps model_type kimi_k25 to its own fast backend and
-    converts tiktoken.model with a generic pre-tokenizer regex, not Kimi's. The project's
-    loader gets that one today; where the vocab has tokens across Kimi's split points
-    (this fixture's ranks were fit with another split, so it does) the ids differ from
-    what vLLM, trusting the remote code, tokenizes the same text into."""
-    converted = load_tokenizer(kimi)
+    """transformers 5 does not refuse it: it maps model_type kimi_k25 to its own fast backend
+    and converts tiktoken.model with a generic pre-tokenizer regex, not Kimi's; where the
+    vocab has tokens across Kimi's split points (this fixture's ranks were fit with another
+    split, so it does) the ids differ from what vLLM, trusting the remote code, tokenizes
+    the same text into. So the project's loader refuses the target without
+    target.trust_remote_code, naming the key and the auto_map that needs it."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match=r"tokenizer_config.json declares auto_map \['AutoTokenizer'\].*"
+                                         r"set target.trust_remote_code: true"):
+        load_tokenizer(kimi)
+    converted = AutoTokenizer.from_pretrained(str(kimi))
     assert type(converted).__name__ == "TokenizersBackend" and converted.is_fast
     kimi_split = sys.modules[type(remote_tokenizer).__module__].PAT_STR
     assert "Han" in kimi_split and "Han" not in str(converted.backend_tokenizer.pre_tokenizer)
@@ -133,7 +140,6 @@ def test_chat_template_keeps_thinking(remote_tokenizer):
     assert ids.count(tok.convert_tokens_to_ids("<think>")) == 2 and tok.decode(ids) == RENDERED
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=NEEDS_TRC)
 def test_project_loads_the_remote_tokenizer(kimi, remote_tokenizer):
     tokenizer = load_tokenizer(kimi, trust_remote_code=True)
     assert type(tokenizer).__name__ == "TikTokenTokenizer"
@@ -142,9 +148,11 @@ def test_project_loads_the_remote_tokenizer(kimi, remote_tokenizer):
 
 
 def test_loss_mask_spans_of_kimis_format(kimi):
-    """The project's mask on Kimi's format, given offsets (the converted tokenizer's): each
-    assistant turn's thinking, answer and end of turn, nothing else."""
-    tokenizer = load_tokenizer(kimi)
+    """The project's mask on Kimi's format, given offsets (transformers' converted tokenizer's):
+    each assistant turn's thinking, answer and end of turn, nothing else."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(kimi))
     ids, mask = ChatMasker(tokenizer).tokenize(CONVERSATION, "kimi")
     assert masked_texts(tokenizer, ids, mask) == GENERATED
 

@@ -20,7 +20,8 @@ PACKAGE = REPO / "eagle3flow"
 # in the service environment (envs/service.yaml, stdlib only) and at parse time.
 TORCH_FREE = ("eagle3flow.ops", "eagle3flow.config", "eagle3flow.atomic", "eagle3flow.jsonl",
               "eagle3flow.progress", "eagle3flow.layers", "eagle3flow.procfs", "eagle3flow.target.config",
-              "eagle3flow.target.shapes")
+              "eagle3flow.target.shapes", "eagle3flow.target.remote_code",
+              "eagle3flow.target.files")
 
 # The model is computation only: what it may import from the package.
 # target.config: the draft config reads the target's (nested) config dict through it.

@@ -62,3 +62,13 @@ def test_publish_refuses_before_any_network(random_llama_target, tmp_path, monke
     monkeypatch.setenv("MY_HUB_TOKEN", "secret")
     assert set(plan(draft, "me/x", "MY_HUB_TOKEN")["files"]) == {"config.json", "model.safetensors", "README.md"}
     assert "secret" not in json.dumps(plan(draft, "me/x", "MY_HUB_TOKEN"))
+
+
+def test_card_of_a_target_with_its_own_code_says_so_and_serves_it_so(random_llama_target, tmp_path):
+    export_untrained_draft(random_llama_target, tmp_path)
+    card = render(tmp_path / "draft", summary(), {"coverage": 1.0}, None, None, "moonshotai/Kimi-K2.5",
+                  trust_remote_code=True)
+    assert "`target.trust_remote_code: true`" in card
+    assert "vllm serve moonshotai/Kimi-K2.5 --trust-remote-code --speculative-config" in card
+    assert "--model-path moonshotai/Kimi-K2.5 --trust-remote-code --speculative-algorithm EAGLE3" in card
+    assert "trust-remote-code" not in render(tmp_path / "draft", summary(), {"coverage": 1.0}, None, None, "t")

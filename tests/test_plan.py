@@ -293,3 +293,10 @@ def test_plan_refines_the_answers_from_the_cache_and_the_measured_rate(tmp_path)
     tokens = 600 * plan_workload.BUILTIN_ANSWERS_PER_PROMPT * (plan_workload.BUILTIN_PROMPT_TOKENS + 60
                                                                + plan_workload.TEMPLATE_TOKENS_PER_TURN)
     assert plan.workload["train_tokens"] + plan.workload["eval_tokens"] == pytest.approx(tokens, rel=0.01)
+
+
+def test_plan_says_when_the_targets_own_code_runs(tmp_path):
+    """target.trust_remote_code on: the printed plan says so; off: not a word."""
+    on = plan_lib.render(plan_lib.project(resolved_config(target={"trust_remote_code": True}), tmp_path))
+    assert "target.trust_remote_code is on" in on
+    assert "trust_remote_code" not in plan_lib.render(plan_lib.project(resolved_config(), tmp_path))

@@ -21,11 +21,14 @@ MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
 def test_profiles_resolve_from_repo_root(tmp_path):
-    """`snakemake --profile local-8gpu` works as typed from the repo root (dry run; in a copy
-    of the checkout, where Snakemake's .snakemake/ may go)."""
+    """`snakemake --profile local-8gpu` works as typed from the repo root (dry run, in a copy
+    of the checkout, where Snakemake's .snakemake/ may go), once the operator has named the
+    unit; as shipped it refuses, naming drain.unit."""
     workdir = workflow_copy(tmp_path / "wf")
-    for profile in ("local-8gpu", "embedded"):
-        result = snakemake(workdir, "-n", "--profile", profile, "--forceall", timeout=300)
+    unset = snakemake(workdir, "-n", "--profile", "local-8gpu", timeout=300)
+    assert unset.returncode != 0 and "drain.unit is not set" in unset.stdout + unset.stderr
+    for profile, extra in (("local-8gpu", ["--config", "drain={unit: vllm.service}"]), ("embedded", [])):
+        result = snakemake(workdir, "-n", "--profile", profile, "--forceall", *extra, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"Using profile {profile}" in result.stdout + result.stderr
         assert "extract_hidden_states" in result.stdout
@@ -33,7 +36,8 @@ def test_profiles_resolve_from_repo_root(tmp_path):
 
 def test_local_8gpu_gives_gpu_stages_all_gpus(tmp_path):
     workdir = workflow_copy(tmp_path / "wf")
-    result = snakemake(workdir, "-n", "--profile", "local-8gpu", timeout=300)
+    result = snakemake(workdir, "-n", "--profile", "local-8gpu", "--config", "drain={unit: vllm.service}",
+                       timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     blocks = result.stdout.split("\nrule ")
     gpu_rules = {b.split(":")[0]: b for b in blocks if "gpus=8" in b}

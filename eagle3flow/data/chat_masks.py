@@ -20,8 +20,6 @@ prompt). Works for any chat template, no per-model rules:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 
@@ -212,17 +210,3 @@ def first_token_at(ids: list[int], prefix_ids: list[int]) -> int:
             break
         common += 1
     return common if common == len(prefix_ids) else common + 1
-
-
-def load_tokenizer(path: str | Path):
-    """The target's tokenizer (local directory only, never downloads)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a tokenizer from {str(path)!r} (needs tokenizer.json and "
-                         f"tokenizer_config.json): {error}") from error

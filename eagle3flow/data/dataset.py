@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from eagle3flow.config import schema_defaults, section_settings
-from eagle3flow.data.chat_masks import ChatMasker, load_tokenizer
+from eagle3flow.data.chat_masks import ChatMasker
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
 from eagle3flow.data.regenerated import Skipped, load_regenerated
@@ -52,6 +52,7 @@ from eagle3flow.data.samples import (LENGTH_POLICIES, LIST_LIMIT, Tally, apply_l
 from eagle3flow.data.sources import DatasetError, load_sources
 from eagle3flow.data.writer import SampleWriter, split_outputs
 from eagle3flow.progress import Progress
+from eagle3flow.target.tokenizer import load_tokenizer
 
 OUTPUT_FILES = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
 
@@ -101,7 +102,7 @@ def _bad_error(bad: Tally, processed: int, max_bad_fraction: float) -> DatasetEr
 
 def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
                     config: DatasetConfig | None = None, progress_interval: float = 5.0,
-                    regenerated: str | Path | None = None) -> dict:
+                    regenerated: str | Path | None = None, trust_remote_code: bool = False) -> dict:
     """Tokenize ``input`` with the chat template of ``tokenizer_dir`` into ``out_dir``.
 
     Writes train.parquet, eval.parquet, eval_prompts.jsonl and stats.json (see
@@ -111,6 +112,7 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     (listed under ``regenerated.skipped``). A training sample's further answers
     (regenerate's ``answers_per_prompt``) become training samples of their own, id
     ``<id>~answer<k>``, right after their first answer (``regenerated.more_answers``).
+    ``trust_remote_code``: ``target.trust_remote_code``, for a tokenizer with its own code.
     """
     config = config or DatasetConfig()
     config.validate()
@@ -118,7 +120,7 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
     if not Path(tokenizer_dir).is_dir():
         raise DatasetError(f"tokenizer directory {str(tokenizer_dir)!r} does not exist")
     sources = load_sources(input, config.format, config.split)  # before the slow transformers import
-    masker = ChatMasker(load_tokenizer(tokenizer_dir), config.chat_template_kwargs)
+    masker = ChatMasker(load_tokenizer(tokenizer_dir, trust_remote_code), config.chat_template_kwargs)
 
     locations, ids, renamed, order = processing_order(sources, config.seed)
     total_rows = len(ids)
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python -m eagle3flow.data.dataset --input PATH_OR_HUB_ID --tokenizer TARGET_DIR \\
         --out-dir results/dataset [--regenerated results/regenerate/responses.jsonl] \\
-        [--split train] --config-json '{"max_length": 2048, "chat_template_kwargs": {...}, ...}'
+        [--split train] [--trust-remote-code] --config-json '{"max_length": 2048, "chat_template_kwargs": {...}, ...}'
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.dataset", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="regenerate_responses' responses.jsonl: train on the target's own answers")
     parser.add_argument("--split", default=DatasetConfig.split, help="split of a Hub dataset")
     parser.add_argument("--config-json", default="{}", help="the dataset section (above)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="target.trust_remote_code: run the tokenizer's own code (auto_map)")
     args = parser.parse_args(argv)
     try:
         settings = section_settings("dataset", args.config_json)
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 if f.name in settings})
     try:
         stats = prepare_dataset(args.input, args.tokenizer, args.out_dir, config,
-                                regenerated=args.regenerated)
+                                regenerated=args.regenerated, trust_remote_code=args.trust_remote_code)
     except (ValueError, OSError) as error:  # DatasetError, MaskError, missing files
         print(f"prepare_dataset: error: {error}", file=sys.stderr)
         return 1

@@ -491,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-target", help="the target, served by vLLM for the run when there is no URL")
     parser.add_argument("--server-log", default="regenerate_server.log")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="target.trust_remote_code: the server of --serve-target runs the target's own code")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -512,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype = resolve_serve_dtype(cfg["serve_dtype"], args.vllm_python)
             with serve_target(args.serve_target, args.server_log, args.vllm_python,
                               cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"],
-                              log_tag="regenerate", dtype=dtype) as url:
+                              log_tag="regenerate", dtype=dtype,
+                              trust_remote_code=args.trust_remote_code) as url:
                 regenerate(conversations, args.out_dir, args.cache_root, url, cfg, served_dtype=dtype, **kwargs)
         elif base_url:
             regenerate(conversations, args.out_dir, args.cache_root, base_url, cfg, **kwargs)

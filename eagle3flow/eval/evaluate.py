@@ -50,6 +50,8 @@ from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
 from eagle3flow.eval.prompt_sets import load_prompt_set, longest_context
 from eagle3flow.eval.replay import REPLAY_VERSION, read_draft_config, resolve_precision, simulate_on_outputs
 from eagle3flow.progress import Progress
+from eagle3flow.target.remote_code import check_remote_code
+from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.eval_split import evaluate_split
 
 # The config's `evaluate` section with its defaults (schemas/config.schema.yaml).
@@ -95,18 +97,16 @@ def safe_name(name: str) -> str:
 
 
 def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json,
-             options: EvalOptions | None = None) -> dict:
+             options: EvalOptions | None = None, trust_remote_code: bool = False) -> dict:
     """Run the whole evaluation and write ``out_json`` (summary); returns the summary dict.
 
     ``draft_dir``: the exported draft; ``eval_manifest`` may be None to skip the
     eval-split step accuracy; everything else is ``options`` (:class:`EvalOptions`).
     The top-level ``vllm``/``simulated``/``lossless``/... keys are the main draft's on
-    ``eval``; ``results[set][draft]`` holds every pair.
+    ``eval``; ``results[set][draft]`` holds every pair. ``trust_remote_code``
+    (``target.trust_remote_code``) goes to every load of the target: its tokenizer, the vLLM
+    engines and the HF target of the replay.
     """
-    # transformers is imported where it is used, as everywhere in the package: seconds
-    # to import, and the CLI's --help and the replay's pure functions need none of it.
-    from transformers import AutoTokenizer
-
     o = options or EvalOptions()
     draft_dir, target_path, out_json = Path(draft_dir), Path(target_path), Path(out_json)
     draft_name, max_tokens = o.draft_name, o.max_tokens
@@ -134,11 +134,12 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     tensor_parallel_size = int(o.tensor_parallel_size or 1)
     if "eval" in extra_sets:
         raise ValueError("prompt_sets: 'eval' is the held-out split's name; pick another")
+    check_remote_code(target_path, trust_remote_code)   # before anything is written
     out_dir = out_json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{target_path}: the tokenizer has no chat_template; cannot render "
                          f"the prompts")
@@ -161,6 +162,8 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "max_model_len": int(max_model_len), "dtype": dtype_name, "device": vllm_device,
         "tensor_parallel_size": int(tensor_parallel_size), "ignore_eos": bool(o.ignore_eos),
         "target_stamp": dir_stamp(target_path),   # only for the fingerprint
+        # Only when set: the runs cached before the key existed keep their fingerprints.
+        **({"trust_remote_code": True} if trust_remote_code else {}),
     }
 
     def spec_request(path: Path, num_tokens: int) -> dict:
@@ -196,8 +199,8 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
                        else f"replay_{safe_name(name)}.jsonl")
         by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
-                                             label=f"replay {name}")
-    logits_at = target_logits_at(target_path, o.device, o.dtype, loaded)
+                                             label=f"replay {name}", trust_remote_code=trust_remote_code)
+    logits_at = target_logits_at(target_path, o.device, o.dtype, loaded, trust_remote_code)
     serving_dtype = baseline["dtype"]
 
     per_set: dict[str, dict] = {}
@@ -266,7 +269,8 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     return summary
 
 
-def target_logits_at(target_path: Path, device: str, dtype: str, loaded: dict):
+def target_logits_at(target_path: Path, device: str, dtype: str, loaded: dict,
+                     trust_remote_code: bool = False):
     """``context token ids -> the target's next-token logits`` (float32 on the host), by
     the HF target in the replay's precision; loaded on first use (only where outputs
     differ) and kept in ``loaded`` beside the replay's."""
@@ -274,7 +278,7 @@ def target_logits_at(target_path: Path, device: str, dtype: str, loaded: dict):
         torch_device, torch_dtype, _ = resolve_precision(device, dtype)
         key = (str(target_path), str(torch_dtype), str(torch_device))
         if key not in loaded:
-            loaded[key] = load_target(target_path, torch_dtype, torch_device)
+            loaded[key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
         with torch.no_grad():
             ids = torch.tensor([context], dtype=torch.long, device=torch_device)
             return loaded[key](input_ids=ids).logits[0, -1].float().cpu()
@@ -354,7 +358,7 @@ def main(argv=None) -> None:
     python -m eagle3flow.eval.evaluate --draft results/draft --target DIR \\
         --eval-prompts results/dataset/eval_prompts.jsonl \\
         --eval-manifest results/hidden_states/eval/manifest.json \\
-        --out results/eval/summary.json --config-json '{"num_speculative_tokens": 3, ...}'
+        --out results/eval/summary.json --config-json '{"num_speculative_tokens": 3, ...}' [--trust-remote-code]
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.eval.evaluate", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -365,6 +369,12 @@ def main(argv=None) -> None:
                         help="eval hidden-state manifest.json (omit to skip step accuracy)")
     parser.add_argument("--out", required=True, help="summary.json to write")
     parser.add_argument("--config-json", default="{}", help="the evaluate section: JSON object of EVAL_DEFAULTS keys")
+    parser.add_argument("--prompt-set", action="append", default=[], metavar="NAME=JSONL",
+                        help="another prompt set (MT-bench questions or {id, messages} rows); repeat")
+    parser.add_argument("--compare-draft", action="append", default=[], metavar="NAME=DIR",
+                        help="another exported draft evaluated side by side; repeat")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
     try:
         config = section_settings("evaluate", args.config_json)
@@ -373,7 +383,8 @@ def main(argv=None) -> None:
     if config["num_prompts"] is not None and int(config["num_prompts"]) <= 0:
         config["num_prompts"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    evaluate(args.draft, args.target, args.eval_prompts, args.eval_manifest, args.out, EvalOptions(**config))
+    evaluate(args.draft, args.target, args.eval_prompts, args.eval_manifest, args.out, EvalOptions(**config),
+             trust_remote_code=args.trust_remote_code)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ def load_replays(path: Path, key: str) -> dict[str, dict]:
 
 def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
                         device: str, dtype: str, replay_path: Path, key: str,
-                        loaded: dict | None = None, label: str = "replay") -> dict[str, dict]:
+                        loaded: dict | None = None, label: str = "replay",
+                        trust_remote_code: bool = False) -> dict[str, dict]:
     """Replay greedy speculation on each generation (prompt + its vLLM greedy output).
 
     ``units``: ``[{"key", "prompt_token_ids", "output_token_ids"}]``. Per unit: ``aux
@@ -118,7 +119,8 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
     :func:`replay_greedy_speculation` for every K in ``1..max_k`` on the chains' first K
     columns: one draft pass gives the whole acceptance-vs-K curve, exactly as vLLM would
     have accepted at that K. Each unit's result is appended to ``replay_path`` as soon as
-    it is done (resume). ``loaded`` keeps the HF target across drafts. Returns
+    it is done (resume). ``loaded`` keeps the HF target across drafts (loaded with
+    ``trust_remote_code``, ``target.trust_remote_code``). Returns
     ``{unit key: {"by_k": {"K": replay}}}``.
     """
     done = load_replays(replay_path, key)
@@ -132,7 +134,7 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
         loaded = {} if loaded is None else loaded
         target_key = (str(target_path), str(torch_dtype), str(torch_device))
         if target_key not in loaded:
-            loaded[target_key] = load_target(target_path, torch_dtype, torch_device)
+            loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
         target = loaded[target_key]
         draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
                                           device=torch_device).eval()

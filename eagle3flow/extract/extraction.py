@@ -29,6 +29,7 @@ from eagle3flow.extract.shard_plan import ShardPlan, plan_partitions, plan_shard
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 from eagle3flow.target.config import load_target_config
+from eagle3flow.target.remote_code import check_remote_code
 
 # Bump when the way shards are computed changes, so old caches are not reused.
 EXTRACTOR_VERSION = 1
@@ -91,6 +92,8 @@ class Extraction:
     plan: list[ShardPlan]           # this partition's shards
     partition: tuple[int, int]      # (index, count)
     entries: dict[int, dict]        # shard index -> manifest entry, for shards already on disk
+    # target.trust_remote_code: how the target loads, not what it computes (not in the key)
+    trust_remote_code: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -147,7 +150,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
             shard_tokens: int = 32768, max_length: int | None = None,
             length_policy: str = "truncate", storage_dtype: str = "auto",
             split_name: str = "train", partition: tuple[int, int] = (0, 1),
-            fingerprint_extra: dict | None = None) -> Extraction:
+            fingerprint_extra: dict | None = None, trust_remote_code: bool = False) -> Extraction:
     """Everything before the model: check the inputs, plan the shards, find the cached ones.
 
     Fails early, naming the file/row/field, on a missing dataset or target, a target
@@ -155,7 +158,8 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     longer than ``max_length`` or the target's context (``max_position_embeddings``)
     follow ``length_policy``. ``partition = (k, N)``: only the k-th of N runs of shards
     (:func:`plan_partitions`). ``fingerprint_extra`` (e.g. another backend's name) goes
-    into the cache key.
+    into the cache key. ``trust_remote_code`` (``target.trust_remote_code``): a target that
+    declares its own code is refused here without it, before it loads.
     """
     dataset_parquet, target_path = Path(dataset_parquet).resolve(), Path(target_path).resolve()
     cache_root = Path(cache_root).resolve()
@@ -166,6 +170,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
         raise ValueError(f"partition {k} of {n}: expected 0 <= index < count")
     if not dataset_parquet.is_file():
         raise FileNotFoundError(f"{dataset_parquet}: dataset not found")
+    check_remote_code(target_path, trust_remote_code)
     text_config = read_target_config(target_path)
     num_layers, hidden_size = int(text_config["num_hidden_layers"]), int(text_config["hidden_size"])
     aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
@@ -207,7 +212,8 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
         manifest_out=Path(manifest_out), shard_dir=shard_dir, key=key, num_layers=num_layers,
         hidden_size=hidden_size, aux_layer_ids=aux_layer_ids, device=torch_device, dtype=torch_dtype,
         storage_dtype=storage, batch_tokens=batch_tokens, max_length=limit,
-        length_policy=length_policy, scan=scan, plan=plan, partition=(k, n), entries=entries)
+        length_policy=length_policy, scan=scan, plan=plan, partition=(k, n), entries=entries,
+        trust_remote_code=bool(trust_remote_code))
     totals = scan.totals(*extraction.rows())
     tokens, samples = sum(p.num_tokens for p in plan), sum(p.num_samples for p in plan)
     log(f"{extraction.tag}: {samples:,} samples, {tokens:,} tokens "

@@ -90,11 +90,13 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 
-def load_target(target_path, dtype: torch.dtype, device: torch.device):
+def load_target(target_path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     # transformers takes seconds to import: only when a model is loaded (a cached rerun loads none).
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype)
+    # False, never transformers' default None: that asks on stdin, which a job has not.
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype,
+                                                 trust_remote_code=bool(trust_remote_code))
     return model.to(device).eval()
 
 
@@ -328,7 +330,7 @@ def run(x: Extraction, loaded_models: dict | None = None, timeline: list | None 
     def loaded_model():
         if model_key not in models:
             log(f"{x.tag}: {LOADING_LINE} {x.target_path} ({x.dtype_name} on {x.device})")
-            models[model_key] = load_target(x.target_path, x.dtype, x.device)
+            models[model_key] = load_target(x.target_path, x.dtype, x.device, x.trust_remote_code)
         return models[model_key]
 
     if x.missing:
@@ -364,7 +366,7 @@ def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
             shard_tokens: int = 32768, max_length: int | None = None,
             length_policy: str = "truncate", storage_dtype: str = "auto",
             split_name: str = "train", partition: tuple[int, int] = (0, 1),
-            loaded_models: dict | None = None) -> dict:
+            loaded_models: dict | None = None, trust_remote_code: bool = False) -> dict:
     """Extract hidden states of every dataset sample into cached shards; write the manifest.
 
     :func:`prepare` (all checks, the plan, the disk check) then :func:`run`. Returns
@@ -374,6 +376,6 @@ def extract(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     """
     x = prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_ids, dtype,
                 device, batch_tokens, shard_tokens, max_length, length_policy, storage_dtype,
-                split_name, partition)
+                split_name, partition, trust_remote_code=trust_remote_code)
     check_disk_room([x])
     return run(x, loaded_models)

@@ -231,6 +231,7 @@ def load_engine(x: Extraction, max_model_len: int, tensor_parallel_size: int | N
                          f"{current_platform.device_type}")
     kwargs: dict[str, Any] = dict(
         model=str(x.target_path), dtype=x.dtype_name, tensor_parallel_size=tp, seed=0,
+        trust_remote_code=x.trust_remote_code,
         max_model_len=max_model_len, enable_prefix_caching=False, skip_tokenizer_init=True,
         # vLLM's CPU build turns chunked prefill off for MLA: a whole prompt per step.
         max_num_batched_tokens=max(x.batch_tokens, max_model_len) if on_cpu else x.batch_tokens,

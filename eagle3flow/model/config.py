@@ -5,7 +5,7 @@ draft of a config holds. No torch: the planner and the export read it too."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.target.config import text_config
@@ -46,6 +46,17 @@ def exported_param_names(cfg: "DraftConfig") -> tuple[str, ...]:
     if cfg.fc_norm:
         names += tuple(f"fc_norm.{i}.weight" for i in range(cfg.num_aux))
     return names
+
+
+def check_override_keys(overrides: dict) -> None:
+    """Refuse a ``train.draft`` key that names no draft config field (ValueError): the
+    keys alone, when the workflow is read; their values and what the target allows are
+    checked by :meth:`DraftConfig.from_target_config` (the preflight builds it)."""
+    known = {f.name for f in fields(DraftConfig)} | {"architecture"}
+    unknown = sorted(set(overrides or {}) - known)
+    if unknown:
+        raise ValueError(f"train.draft: {', '.join(map(repr, unknown))} is not a field of the draft config "
+                         f"(eagle3flow/model/config.py DraftConfig; known: {', '.join(sorted(known))})")
 
 
 @dataclass

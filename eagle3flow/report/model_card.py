@@ -12,7 +12,8 @@ CLI::
 
     python -m eagle3flow.report.model_card --draft results/draft --eval-summary results/eval/summary.json \\
         --vocab-stats results/vocab/stats.json --dataset-stats results/dataset/stats.json \\
-        --train-eval results/train/eval.json --base-model NAME --out results/draft/README.md
+        --train-eval results/train/eval.json --base-model NAME --out results/draft/README.md \
+        [--trust-remote-code]
 """
 from __future__ import annotations
 
@@ -76,13 +77,16 @@ def evaluation_lines(summary: dict) -> list[str]:
 
 
 def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | None, train_eval: dict | None,
-           base_model: str) -> str:
+           base_model: str, trust_remote_code: bool = False) -> str:
+    """The card. ``trust_remote_code``: the run had ``target.trust_remote_code`` on (the
+    target ships its own code), so the serving commands need it too."""
     config = json.loads((draft_dir / "config.json").read_text())
     with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     ids = config["eagle_aux_hidden_state_layer_ids"]
     k = summary["settings"]["num_speculative_tokens"] if summary else 3
     mla = config["architectures"][0] == "Eagle3DeepseekV2ForCausalLM"
+    trust = " --trust-remote-code" if trust_remote_code else ""
     tags = ["speculative-decoding", "eagle3", "eagle3flow", "draft-model"] + (["mla"] if mla else [])
     lines = ["---", f"base_model: {base_model}", "library_name: vllm", "pipeline_tag: text-generation",
              "tags:"] + [f"- {t}" for t in tags] + ["---", "",
@@ -90,16 +94,21 @@ def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | N
              f"A one-layer EAGLE-3 draft head ({config['architectures'][0]}) trained with training-time test on "
              f"{base_model}'s own hidden states by eagle3flow and exported as vLLM and "
              "SGLang load it. It speculates for that target only: the target verifies every token, so outputs "
-             "are the target's.", "", "## Serve it", "", "vLLM:", "", "```bash",
-             f"vllm serve {base_model} --speculative-config \\",
-             f"  '{{\"method\": \"eagle3\", \"model\": \"<this directory or repo>\", \"num_speculative_tokens\": {k}}}'",
-             "```", ""]
+             "are the target's.", "", "## Serve it", ""]
+    if trust_remote_code:
+        lines += [f"{base_model} ships its own code (`auto_map`): this draft was trained with "
+                  "`target.trust_remote_code: true`, and the engines below need `--trust-remote-code` "
+                  "to load the target.", ""]
+    lines += ["vLLM:", "", "```bash",
+              f"vllm serve {base_model}{trust} --speculative-config \\",
+              f"  '{{\"method\": \"eagle3\", \"model\": \"<this directory or repo>\", \"num_speculative_tokens\": {k}}}'",
+              "```", ""]
     problems = sglang_problems(config, names)
     if problems:
         lines += ["SGLang would not serve this draft as trained: " + "; ".join(problems) + ".", ""]
     else:
         lines += ["SGLang (0.5.23 or newer):", "", "```bash",
-                  f"python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE3 \\",
+                  f"python -m sglang.launch_server --model-path {base_model}{trust} --speculative-algorithm EAGLE3 \\",
                   f"  --speculative-draft-model-path <this directory or repo> --speculative-num-steps {k} \\",
                   f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```", ""]
     coverage = vocab.get("coverage")
@@ -153,6 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--config-json", default="{}", help="the hub section (base_model)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="target.trust_remote_code was on: the card says so, and its serving commands pass it")
     args = parser.parse_args(argv)
     try:
         hub = section_settings("hub", args.config_json)
@@ -160,7 +171,8 @@ def main(argv=None) -> int:
         parser.error(f"--config-json: {error}")
     read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
     card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
-                  read(args.train_eval), base_model_name(args.target, hub["base_model"]))
+                  read(args.train_eval), base_model_name(args.target, hub["base_model"]),
+                  trust_remote_code=args.trust_remote_code)
     write_text(args.out, card)
     return 0
 

@@ -15,7 +15,7 @@ Request JSON (written by :func:`run_vllm`, read by :func:`main`)::
                                    "num_speculative_tokens": K},
      "max_tokens": 64, "max_model_len": 2048, "dtype": "auto", "device": "auto",
      "tensor_parallel_size": 1, "enforce_eager": null, "gpu_memory_utilization": 0.85,
-     "ignore_eos": false, "seed": 0}
+     "ignore_eos": false, "seed": 0, "trust_remote_code": false}
 
 Result JSON::
 
@@ -56,6 +56,7 @@ from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
 from eagle3flow.target.config import load_target_config
+from eagle3flow.target.tokenizer import load_tokenizer
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -77,20 +78,19 @@ REQUEST_DEFAULTS = {
     "seed": 0,
     "sets": None,
     "chat_template_kwargs": {},
+    "trust_remote_code": False,     # target.trust_remote_code: the engine's and the tokenizer's
 }
 
 
 def render_prompts(eval_prompts_jsonl: str | os.PathLike, target_path: str | os.PathLike,
-                   num_prompts: int | None = None) -> list[dict]:
+                   num_prompts: int | None = None, trust_remote_code: bool = False) -> list[dict]:
     """Render ``{"id", "messages"}`` rows with the target's chat template into token ids.
 
     Done here, outside vLLM, so the baseline and speculative engines (and the HF replay)
     all see identical ids. Returns ``[{"id", "prompt_token_ids"}]`` for the first
     ``num_prompts`` rows (all when None).
     """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{target_path}: the tokenizer has no chat_template; cannot render "
                          f"the eval prompts")
@@ -262,6 +262,7 @@ def generate(request: dict) -> dict:
                   max_model_len=int(request["max_model_len"]),
                   tensor_parallel_size=int(request["tensor_parallel_size"]),
                   enforce_eager=bool(enforce_eager), seed=int(request["seed"]),
+                  trust_remote_code=bool(request["trust_remote_code"]),
                   disable_log_stats=False)  # get_metrics() asserts stat logging is on
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
@@ -289,8 +290,7 @@ def generate(request: dict) -> dict:
                   for p in (s.get("prompts") or [])[:1]), None)
     tokenizer = None
     if any(s.get("conversations") for s in sets):
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(str(request["target"]))
+        tokenizer = load_tokenizer(request["target"], bool(request["trust_remote_code"]))
         if first is None:
             conv = next(c for s in sets for c in s.get("conversations") or [])
             first = [{"prompt_token_ids": _render_turn(tokenizer, _turn_messages(conv, 0, []),

@@ -54,19 +54,22 @@ def resolve_serve_dtype(dtype: str, python: str | None = None) -> str:
 @contextmanager
 def serve_target(target: str | Path, log_path: str | Path, python: str | None = None,
                  max_model_len: int = 2048, startup_timeout_s: float = 600.0, port: int | None = None,
-                 log_tag: str = "vllm_server", dtype: str = "auto"):
+                 log_tag: str = "vllm_server", dtype: str = "auto", trust_remote_code: bool = False):
     """Run a vLLM OpenAI server of ``target`` on 127.0.0.1 in ``dtype`` (as vLLM names
     it; resolve ``auto`` with ``resolve_serve_dtype`` first); yield its base URL.
 
     The server is this process's child (its own process group, SIGTERM if we die) and
     is stopped on exit: SIGTERM to the group, SIGKILL after 30 s. Its progress lines on
-    stderr start with ``log_tag:`` (the caller's stage name).
+    stderr start with ``log_tag:`` (the caller's stage name). ``trust_remote_code``
+    (``target.trust_remote_code``): the server runs the target's own code.
     """
     port = port or free_port()
     command = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(target), "--served-model-name", SERVED_NAME, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
                "--seed", "0", "--enforce-eager", "--disable-uvicorn-access-log"]
+    if trust_remote_code:
+        command.append("--trust-remote-code")
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)

@@ -125,3 +125,29 @@ def make_chat_target(out_dir: Path, family: str | None = None) -> Path:
     corpus = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(100)]
     save_bpe_chat_tokenizer(out_dir, corpus * 2 + ["hello world, how are you today?"] * 20, 512)
     return out_dir
+
+
+REMOTE_TOKENIZER_CODE = '''from transformers import PreTrainedTokenizerFast
+
+
+class RemoteChatTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer class only this directory defines (as Kimi-K2.5 ships its own)."""
+
+    remote_marker = "loaded from the target's own code"
+'''
+
+
+def add_remote_tokenizer_code(target_dir: Path) -> Path:
+    """Make ``target_dir``'s tokenizer one that only its own code loads: a
+    ``tokenization_remote.py`` beside it, named by ``auto_map`` and ``tokenizer_class`` in
+    ``tokenizer_config.json`` (transformers runs it only with ``trust_remote_code=True``)."""
+    import json
+
+    target_dir = Path(target_dir)
+    (target_dir / "tokenization_remote.py").write_text(REMOTE_TOKENIZER_CODE)
+    config_file = target_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "RemoteChatTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_remote.RemoteChatTokenizer"]}
+    config_file.write_text(json.dumps(config, indent=2))
+    return target_dir

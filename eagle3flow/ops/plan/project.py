@@ -184,8 +184,11 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         plan.refusal = budget_refusal(plan, config, root)
         return plan
 
-    plan = assemble(proj)
-    return _with_streaming(plan, assemble, proj, config, root, target)
+    plan = _with_streaming(assemble(proj), assemble, proj, config, root, target)
+    if config["target"].get("trust_remote_code"):
+        plan.notes.append("target.trust_remote_code is on: every stage that loads the target "
+                          "(tokenizer, transformers, vLLM) runs the Python code it ships (auto_map)")
+    return plan
 
 
 def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, target: dict) -> Plan:
