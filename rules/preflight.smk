@@ -33,7 +33,7 @@ rule preflight:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.preflight --config-json {params.cfg} --target {input.target:q}"
-        " --dataset {params.source:q} --out {output.ok} 2>&1 | tee {log}"
+        " --dataset {params.source:q} --out {output.ok:q} 2>&1 | tee {log:q}"
 
 
 use rule preflight as preflight_before_drain with:

@@ -17,6 +17,7 @@ HOSTILE = {
     "hub": {"base_model": "org/x $(touch PWNED)", "repo_id": "me/d; touch PWNED"},
     "evaluate": {"vllm_python": "/opt/vllm env/bin/python; touch PWNED"},
     "dataset": {"chat_template_kwargs": {"note": "it's $(touch PWNED)"}},
+    "drain": {"unit": "vllm.service"},   # local-8gpu drains: it refuses to run without a unit
 }
 HOSTILE_STRINGS = [*HOSTILE["paths"].values(), HOSTILE["hub"]["base_model"], HOSTILE["hub"]["repo_id"],
                    HOSTILE["evaluate"]["vllm_python"], HOSTILE["dataset"]["chat_template_kwargs"]["note"]]
@@ -94,7 +95,7 @@ def test_a_device_that_names_no_device_is_refused_naming_its_key(tmp_path, secti
     workdir, result = dry_run(tmp_path, "embedded", {section: {"device": "cuda; touch PWNED"}})
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-4000:]
-    assert "cuda; touch PWNED" in output and f"['{section}']['device']" in output, output[-4000:]
+    assert "cuda; touch PWNED" in output and f"{section}.device" in output, output[-4000:]
     assert not list(workdir.rglob("PWNED"))
 
 

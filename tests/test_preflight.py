@@ -236,7 +236,7 @@ def test_remote_code_target_is_trusted_only_when_configured(box, targets, workdi
     target = targets["remote_code"]
     env = {**box.env, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
     command = [sys.executable, "-m", "eagle3flow.data.dataset", "--input", str(workdir / "chats.jsonl"),
-               "--tokenizer", str(target), "--max-length", "128"]
+               "--tokenizer", str(target), "--config-json", json.dumps({"max_length": 128})]
     refused = subprocess.run(command + ["--out-dir", str(tmp_path / "refused")], env=env,
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1, refused.stderr[-2000:]
@@ -283,9 +283,9 @@ def test_config_checks_name_every_problem_by_its_key():
     config = {section: schema_defaults(section) for section in ("evaluate", "extract", "train")}
     config["evaluate"]["num_prompts"] = 0
     config["extract"]["device"] = "cuda:x"
-    config["train"]["device"] = "cuda:1"
+    config["train"]["device"] = "cuda:1"   # training takes each rank's own GPU: no index
     problems = schema_problems(config)
-    assert [p.split(":")[0] for p in problems] == ["evaluate.num_prompts", "extract.device"], problems
+    assert [p.split(":")[0] for p in problems] == ["evaluate.num_prompts", "extract.device", "train.device"], problems
     check_override_keys({"intermediate_size": 1024, "architecture": "mla", "fc_norm": True})
     with pytest.raises(ValueError, match=r"train.draft: 'bogus_key', 'hiden_size' is not a field"):
         check_override_keys({"bogus_key": 1, "hiden_size": 64})
