@@ -207,6 +207,35 @@ def test_hf_extraction_is_projected_at_one_devices_speed(tmp_path):
     assert stage_row(on_eight, "train").seconds == pytest.approx(stage_row(on_one, "train").seconds / 8)
 
 
+def test_own_target_on_built_in_prompts_projects_no_embedded_build(tmp_path):
+    """A target of your own answering the built-in prompts writes the prompts, nothing more:
+    the embedded build (fp32 weights of the target's size: 4.2 TB for a 1T model) is not
+    projected."""
+    make_chat_target(tmp_path / "target", family="llama3")
+    plan = plan_lib.project(resolved_config(target={"path": str(tmp_path / "target")}, dataset={"path": None},
+                                            regenerate={"enabled": True, "base_url": "http://127.0.0.1:8000/v1"}),
+                            tmp_path)
+    row = stage_row(plan, "embedded target")
+    assert row.bytes_basis == "the built-in prompts" and row.bytes < 10 ** 7 and row.seconds < 60, row
+
+
+def test_target_loads_count_in_gpu_stages_and_the_downtime(tmp_path):
+    """Extraction and evaluation each load the target, and a drained unit loads it again
+    to come back: a 1T-parameter target's ~25 min counts three times in the downtime."""
+    def plan_with(**resources):
+        return plan_lib.project(resolved_config(resources={"gpus": 8, **resources},
+                                                drain={"enabled": True, "unit": "vllm.service"}), tmp_path)
+
+    without, given = plan_with(), plan_with(target_load_s=1500)
+    for stage in ("extract", "evaluate"):
+        assert stage_row(given, stage).seconds == pytest.approx(stage_row(without, stage).seconds
+                                                                - without.restart_seconds + 1500)
+        assert "1500 s target load (resources.target_load_s)" in stage_row(given, stage).time_basis
+    assert given.restart_seconds == 1500
+    assert given.downtime_seconds == pytest.approx(without.downtime_seconds - 3 * without.restart_seconds + 3 * 1500)
+    assert plan_lib.project(resolved_config(resources={"gpus": 8, "target_load_s": 1500}), tmp_path).restart_seconds == 0
+
+
 def test_backend_auto_is_vllm_on_a_multi_gpu_node_and_projected_so(tmp_path):
     node = resolved_config(resources={"gpus": 8})
     assert node["extract"]["backend"] == "auto" and plan_lib.extract_backend(node) == "vllm"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eagle3flow.ops import streaming
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
-from eagle3flow.ops.plan.footprint import (aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
+from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
 from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
                                         stage_outputs_exist)
@@ -28,9 +28,12 @@ from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 ASSUMED_FLOPS = {("cpu", "extract"): 2.7e10, ("cpu", "train"): 4.8e10,
                  ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
 # Seconds of the small stages when this directory has never run them.
-ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0}
+ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0, "built-in prompts": 5.0}
 ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
 ASSUMED_PRETRAINED_BUILD_S = 60.0
+# Reading, sharding and warming up a target on GPUs (vLLM's CUDA graphs included), per byte
+# of its weights: ~25 min for Kimi-K2.5 INT4's ~595 GB, as its production unit restarts.
+ASSUMED_TARGET_LOAD_BYTES_PER_S = 0.4e9
 
 
 def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
@@ -61,6 +64,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     export_bytes_per_param = 4 if target_dtype == "float32" else 2
     vocab_map_bytes = draft_vocab * 8 + int(target["vocab_size"])
 
+    load_s, load_basis = target_load(config, root, total_params, target_dtype) if gpus else (0.0, "")
+
     measured = measured_throughputs(config, root)
     recorded = recorded_throughputs(config, root)
     # Per stage, the devices it runs on: extraction with the HF backend loads the target on one.
@@ -90,13 +95,16 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     # --- projected bytes and seconds per stage
     proj: dict[str, tuple[int, str, float, str]] = {}
     emb = config["embedded"]
-    using_embedded = config["target"]["path"] is None or config["dataset"]["path"] is None
     builtin = config["target"].get("builtin") or "embedded"
-    if config["target"]["path"] is None and builtin != "embedded":
+    if config["target"]["path"] is not None and config["dataset"]["path"] is None:
+        # your own target answering the built-in prompts: only the prompts are written here
+        s, sb = scaled_seconds("write_builtin_prompts", 0, ASSUMED_SECONDS["built-in prompts"], "assumed")
+        proj["embedded target"] = (samples * 300, "the built-in prompts", s, sb)
+    elif config["target"]["path"] is None and builtin != "embedded":
         s, sb = scaled_seconds("build_pretrained_target", 0, ASSUMED_PRETRAINED_BUILD_S, "assumed")
         proj["embedded target"] = (total_params * 4 + samples * 300, f"{builtin}: {total_params / 1e6:.0f}M "
                                    "fp32 params + the built-in prompts", s, sb)
-    elif using_embedded:
+    elif config["target"]["path"] is None:
         emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
         b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
         s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_S_PER_STEP,
@@ -117,7 +125,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     hs_bytes = tokens * per_token + samples * 40
     r, rb = rate("extract", 2 * active_params)
     proj["extract"] = (hs_bytes, f"{tokens:,} tokens x {per_token:,} B ({aux}+1 x {hidden} x {dtype})",
-                       tokens / r, f"{r:,.0f} tokens/s, {rb}")
+                       tokens / r + load_s, f"{r:,.0f} tokens/s, {rb}" + load_basis)
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
     keep = int(train_cfg.get("keep_checkpoints", 2))
@@ -134,8 +142,10 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
                       *scaled_seconds("export_draft", 0, ASSUMED_SECONDS["export"], "assumed"))
     ev = config["evaluate"]
     n_prompts = ev.get("num_prompts") or work["eval_samples"]
-    proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests",
-                        *scaled_seconds("evaluate_draft", 0, ASSUMED_EVALUATE_S[device_class], "assumed"))
+    s, sb = scaled_seconds("evaluate_draft", 0, ASSUMED_EVALUATE_S[device_class], "assumed")
+    if sb == "assumed":     # a last run's time has its load in it already
+        s, sb = s + load_s, sb + load_basis
+    proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests", s, sb)
     proj["report"] = (600_000, "plots and tables",
                       *scaled_seconds("build_report", 0, ASSUMED_SECONDS["report"], "assumed"))
 
@@ -182,6 +192,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
                      "aux_layers": aux, "hidden_size": hidden,
                      "hidden_state_bytes": int(hs_bytes)}, profile_key(config))
         plan.refusal = budget_refusal(plan, config, root)
+        plan.restart_seconds = load_s if plan.drain else 0.0
         return plan
 
     plan = _with_streaming(assemble(proj), assemble, proj, config, root, target)
@@ -189,6 +200,22 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         plan.notes.append("target.trust_remote_code is on: every stage that loads the target "
                           "(tokenizer, transformers, vLLM) runs the Python code it ships (auto_map)")
     return plan
+
+
+def target_load(config: dict, root: Path, total_params: int, target_dtype: str) -> tuple[float, str]:
+    """Seconds the target takes to load on the GPUs, and the basis: resources.target_load_s,
+    else its weight files' bytes (or its parameters') at ASSUMED_TARGET_LOAD_BYTES_PER_S."""
+    given = config["resources"].get("target_load_s")
+    if given:
+        return float(given), f" + {given:.0f} s target load (resources.target_load_s)"
+    path = config["target"]["path"]
+    weights = sum(f.stat().st_size for f in Path(root, path).glob("*.safetensors")) if path else 0
+    basis = "weight files"
+    if not weights:
+        weights, basis = total_params * DTYPE_BYTES.get(target_dtype, 2), f"{target_dtype} parameters"
+    seconds = weights / ASSUMED_TARGET_LOAD_BYTES_PER_S
+    return seconds, (f" + {seconds:.0f} s target load ({weights / 1e9:,.0f} GB of {basis} at "
+                     f"{ASSUMED_TARGET_LOAD_BYTES_PER_S / 1e9:.1f} GB/s assumed; resources.target_load_s sets it)")
 
 
 def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, target: dict) -> Plan:

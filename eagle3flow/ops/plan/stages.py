@@ -58,6 +58,7 @@ class Plan:
     refusal: str | None = None
     actual_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    restart_seconds: float = 0.0    # the drained unit's own load, after the last GPU stage
 
     @property
     def gpu_seconds(self) -> float:
@@ -74,7 +75,7 @@ class Plan:
         if not gpu_running:
             return 0.0
         lo, hi = gpu_running[0], gpu_running[-1]
-        return sum(self.stages[i].seconds for i in running if lo <= i <= hi)
+        return sum(self.stages[i].seconds for i in running if lo <= i <= hi) + self.restart_seconds
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -46,7 +46,7 @@ def render(plan: Plan, actual: bool = False) -> str:
                + (f"; already there, outside the stages: {format_bytes(plan.other_bytes)}" if plan.other_bytes else ""))
     out.append(f"time of the stages that run: {format_seconds(run_s)} (one after another); "
                f"GPU-hours: {plan.gpu_seconds * gpu_factor / 3600:.2f} on {plan.gpus} GPU(s); "
-               + (f"production downtime: {format_seconds(plan.downtime_seconds)} (GPU stages behind the drain)"
+               + (f"production downtime: {format_seconds(plan.downtime_seconds)} (GPU stages behind the drain, then the unit's restart)"
                   if plan.drain else "no production service drained"))
     w = plan.workload
     out.append(f"from: {w['train_tokens']:,} train + {w['eval_tokens']:,} eval tokens ({w['basis']}); "
