@@ -24,5 +24,5 @@ rule drain_service:
         "../envs/service.yaml"
     shell:
         "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
-        " --settings-json {params.settings} --flag {output.flag:q}"
+        " --config-json {params.settings} --flag {output.flag:q}"
         " 2>&1 | tee {log:q}"

@@ -328,7 +328,7 @@ def test_restore_waits_for_the_gpus_without_holding_the_lock(box):
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
     run_env = box.live_run(["train_draft"])
     job = box.hold_gpu(3, seconds=8, env=run_env)    # a job of that run, still exiting
-    restoring = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore", "--settings-json",
+    restoring = subprocess.Popen([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore", "--config-json",
                                   json.dumps(box.settings(gpu_release_timeout_s=60))],
                                  env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     box.others.append(restoring)

@@ -456,7 +456,7 @@ def test_stale_session_after_a_reboot(scenario):
     data = json.loads(owners.read_text())
     data["0.output.lock"].update(boot_id=previous["boot_id"], pid=4242, start_ticks=777)
     owners.write_text(json.dumps(data))
-    status = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "status", "--settings-json",
+    status = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "status", "--config-json",
                              json.dumps(sc.box.settings()), "--state-dir", str(state)], env=sc.box.env,
                             capture_output=True, text=True, timeout=60)
     said = json.JSONDecoder().raw_decode(status.stdout)[0]

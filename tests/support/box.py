@@ -67,7 +67,7 @@ class FakeBox:
 
     def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", *args,
-                               "--settings-json", json.dumps(self.settings(**overrides))],
+                               "--config-json", json.dumps(self.settings(**overrides))],
                               env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
 
     def live_run(self, stages: list[str], service_dir: Path | None = None) -> dict:

@@ -41,7 +41,7 @@ def _start_watchdog(settings: dict, state: State, run: dict) -> dict:
         # run token: it waits for the processes that do.
         proc = subprocess.Popen(
             [sys.executable, "-m", "eagle3flow.ops.drain.service", "watchdog", "--state-dir", str(state.dir),
-             "--settings-json", json.dumps(settings), "--pid", str(run["snakemake_pid"]),
+             "--config-json", json.dumps(settings), "--pid", str(run["snakemake_pid"]),
              "--pid-start", str(run.get("snakemake_start")), "--run-id", str(run["run_id"])],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             cwd="/", close_fds=True, env=env)

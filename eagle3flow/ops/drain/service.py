@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", action="append", default=None,
                        help="config file(s) merged in order (default: config.yaml); "
                             "pass the profile's workflow.yaml too, e.g. profiles/local-8gpu/workflow.yaml")
-        p.add_argument("--settings-json", help="the drain section as JSON (what the rules pass)")
+        p.add_argument("--config-json", help="the drain section as JSON (what the rules pass)")
         p.add_argument("--state-dir", help="the unit's state folder (default: <drain.state_dir>/<unit>); "
                                            "alone (no --config), the settings of its open session are used")
         if name == "drain":
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--run-id", default=None)
     args = parser.parse_args(argv)
     try:
-        if args.settings_json:
-            settings = settings_of(json.loads(args.settings_json))
+        if args.config_json:
+            settings = settings_of(json.loads(args.config_json))
         elif args.command in ("stage-ended", "restore") and args.state_dir and not args.config:
             # the settings the drain used are in its session
             session = State(args.state_dir).read(State(args.state_dir).session)
