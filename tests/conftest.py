@@ -157,12 +157,13 @@ def upstream(tmp_path_factory) -> Path:
 # (minutes) is made once; the real-target test is a group of its own. `make test` hands
 # the groups out in the order sorted here (--no-loadscope-reorder): the longest ones
 # first, so that no long group starts late and ends the run alone, then the rest by
-# their number of tests. A worker starts with two groups when its first has one test:
-# the real-target test's worker runs the fault matrix next.
+# their number of tests.
 SHARED_BUILD = "embedded_default_build"
 SHARED_BUILD_TESTS = {"test_embedded.py", "test_streaming.py",
                       "test_workflow.py::test_embedded_default_end_to_end_with_kills"}
-LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", SHARED_BUILD, "test_fault_matrix.py")
+# The shared build's group goes third: the controller builds its target meanwhile
+# (pytest_configure), so no worker waits for the build.
+LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py", SHARED_BUILD)
 
 
 def xdist_group(item) -> str:
