@@ -152,6 +152,14 @@ def section_settings(section: str, given: str | Mapping | None = None,
 ORIGINAL_ANSWERS_DRAFT = "original answers"
 
 
+def cli_settings(parser, section: str, given: str, borrowed: Mapping[str, str] | None = None) -> dict:
+    """A stage command line's ``--config-json``, resolved by :func:`section_settings`; a bad one
+    ends the program with the parser's usage error, naming the key."""
+    try:
+        return section_settings(section, given, borrowed=borrowed)
+    except ValueError as error:
+        parser.error(f"--config-json: {error}")
+
 def builtin_target(config: dict) -> str | None:
     """The target this workflow builds itself (``target.path`` null), or None for a served one."""
     return config["target"]["builtin"] if config["target"]["path"] is None else None

@@ -42,7 +42,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from eagle3flow.config import schema_defaults, section_settings
+from eagle3flow.config import cli_settings, schema_defaults
 from eagle3flow.data.chat_masks import ChatMasker
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
@@ -244,10 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="target.trust_remote_code: run the tokenizer's own code (auto_map)")
     args = parser.parse_args(argv)
-    try:
-        settings = section_settings("dataset", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    settings = cli_settings(parser, "dataset", args.config_json)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never hang on a network that is not there
     config = DatasetConfig(split=args.split, **{f.name: settings[f.name] for f in fields(DatasetConfig)
                                                 if f.name in settings})

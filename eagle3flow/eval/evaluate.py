@@ -43,7 +43,7 @@ import torch
 from eagle3flow.export.load import load_exported_draft
 from eagle3flow.extract.hf import load_target
 from eagle3flow.atomic import write_json
-from eagle3flow.config import schema_defaults, section_settings
+from eagle3flow.config import cli_settings, schema_defaults
 from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
@@ -376,10 +376,7 @@ def main(argv=None) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
-    try:
-        config = section_settings("evaluate", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    config = cli_settings(parser, "evaluate", args.config_json)
     if config["num_prompts"] is not None and int(config["num_prompts"]) <= 0:
         config["num_prompts"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3flow.config import section_settings
+from eagle3flow.config import cli_settings
 
 FILES = ("config.json", "model.safetensors", "README.md")
 
@@ -65,10 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--record", required=True, type=Path)
     parser.add_argument("--config-json", default="{}", help="the hub section")
     args = parser.parse_args(argv)
-    try:
-        hub = section_settings("hub", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    hub = cli_settings(parser, "hub", args.config_json)
     try:
         record = publish(args.draft, hub["repo_id"], hub["token_env"], hub["private"], hub["dry_run"])
     except PublishError as error:

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from eagle3flow.config import EXTRACT_BORROWED, section_settings
+from eagle3flow.config import EXTRACT_BORROWED, cli_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import hf as hf_backend
 from eagle3flow.extract import vllm as vllm_backend
@@ -56,10 +56,7 @@ def main(argv=None) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
-    try:
-        settings = section_settings("extract", args.config_json, borrowed=EXTRACT_BORROWED)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    settings = cli_settings(parser, "extract", args.config_json, borrowed=EXTRACT_BORROWED)
     limit_cpu_threads()
     split_names = args.split_name or ["train"] * len(args.dataset)
     if not len(args.dataset) == len(args.manifest) == len(split_names):

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import section_settings
+from eagle3flow.config import cli_settings
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 from eagle3flow.extract.throughput import THROUGHPUT_FILE, merge_throughput_logs, throughput_path
@@ -359,10 +359,7 @@ def main(argv=None) -> None:
         parser.error(f"--link {args.link}: the chain has links 0..{chain.links - 1}")
     if (args.previous is None) != (args.link == 0):
         parser.error("--previous is required for every link but the first (and only then)")
-    try:
-        train_settings = section_settings("train", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    train_settings = cli_settings(parser, "train", args.config_json)
     train_link(args.link, chain, Path(args.train_manifest),
                Path(args.eval_manifest) if args.eval_manifest else None,
                Path(args.previous) if args.previous else None, Path(args.stats), Path(args.vocab_map),

@@ -25,7 +25,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eagle3flow.atomic import write_text
-from eagle3flow.config import section_settings
+from eagle3flow.config import cli_settings
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
@@ -165,10 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="target.trust_remote_code was on: the card says so, and its serving commands pass it")
     args = parser.parse_args(argv)
-    try:
-        hub = section_settings("hub", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    hub = cli_settings(parser, "hub", args.config_json)
     read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
     card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
                   read(args.train_eval), base_model_name(args.target, hub["base_model"]),

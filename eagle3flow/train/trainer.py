@@ -51,7 +51,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import section_settings
+from eagle3flow.config import cli_settings, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
@@ -340,10 +340,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data-epoch", type=int, default=0,
                         help="chained run: the number of this run's first epoch (seeds the shuffle)")
     args = parser.parse_args(argv)
-    try:
-        config = section_settings("train", args.config_json)
-    except ValueError as error:
-        parser.error(f"--config-json: {error}")
+    config = cli_settings(parser, "train", args.config_json)
     limit_cpu_threads()
     train(args.train_manifest, args.eval_manifest, args.vocab_map, args.target, args.out_dir,
           args.cache_root, config, init_from=args.init_from, schedule_tokens=args.schedule_tokens,
