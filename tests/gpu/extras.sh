@@ -10,7 +10,7 @@
 set -euo pipefail
 WHEELS="yaml:pyyaml datasets:datasets multiprocess:multiprocess xxhash:xxhash fsspec:fsspec pandas:pandas
  tzdata:tzdata dateutil:python_dateutil dill:dill pyarrow:pyarrow jmespath:jmespath supervisor:supervisor
- model_hosting_container_standards:model_hosting_container_standards"
+ model_hosting_container_standards:model_hosting_container_standards attrs:attrs"
 case "${1:?download DIR | install DIR TARGET}" in
   download)
     D=$(realpath -m "${2:?DIR}"); mkdir -p "$D/big" "$D/small"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,10 +29,13 @@ def run(tmp_path_factory):
     prebuilt = os.environ.get("EAGLE3FLOW_EMBEDDED_DIR")
     if prebuilt:
         place_embedded(Path(prebuilt), workdir)
-    # The rules run `python -m ...`: this interpreter, whatever the machine calls python.
+    # The rules run `python -m ...`: this interpreter, whatever the machine calls python. A
+    # script, not a symlink: a venv's python reached through a link elsewhere finds no
+    # pyvenv.cfg beside it and runs without the venv's packages.
     bin_dir = root / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     snakemake = shutil.which("snakemake")
     assert snakemake, "snakemake is not on PATH"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
