@@ -20,13 +20,15 @@ Settings:
 
 Loss masks: ``ones`` (every predicted token scored: the headline, where no row is
 skipped) and ``chat`` (alternating user/assistant runs, ~60% assistant tokens: the
-lm_head and the loss run only on scored rows, so the same FLOP count is done faster).
+lm_head and the loss run only on scored rows, and the FLOP count follows them).
 
 FLOPs per token: :func:`eagle3flow.model.flops.train_flops_per_token` (the trainer's own
-count): the draft's forward (fc, then per TTT step q/k/v/o, MLP, lm_head and
-attention) x 3 for forward + backward, plus the teacher's lm_head forward over the
-draft vocabulary. MFU = tokens/s x FLOPs/token / the bf16 matmul rate measured in the
-same run (``--matmul-size``^3 square product, best of several).
+count, of the architecture built: Llama or MLA): the products the step runs, forward and
+backward (no input gradient where the input needs none), the draft lm_head on the rows
+the loss scores, the teacher head's forward. MFU = that / the step time / the bf16 matmul
+rate measured in the same run (``--matmul-size``^3 square product, best of several,
+eagle3flow.model.flops.PeakFlops, the trainer's), and, on an H200, / its datasheet dense
+bf16 peak (989 TFLOP/s) beside it.
 
     PYTHONPATH=$PWD python3 benchmarks/train_throughput.py --out results.json
     PYTHONPATH=$PWD python3 benchmarks/train_throughput.py --quick     # CPU smoke run
@@ -53,7 +55,7 @@ import torch
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.model.draft import Eagle3Draft
-from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
+from eagle3flow.model.flops import OVER_PEAK, PeakFlops, mean_causal_context, train_flops_per_token
 from eagle3flow.train.loss import scored_rows, ttt_loss
 from eagle3flow.train.data import to_device
 
@@ -135,25 +137,6 @@ def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, de
             "last": torch.randn(n, cfg.hidden_size, device=device).to(dtype)}
 
 
-def measure_matmul(device: torch.device, size: int, repeats: int = 10) -> float:
-    """bf16 ``size^3`` matmul FLOP/s on random data: best of ``repeats`` timed with events."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * size ** 3 / min(times)
-
-
 def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int, device,
              profile: bool = False, ctx: DistContext | None = None, warm_batch: dict | None = None) -> dict:
     """Time ``iters`` steps run back to back as the trainer runs them (no host sync between
@@ -231,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--matmul-size", type=int, default=8192)
+    ap.add_argument("--matmul-size", type=int, help="side of the measured square matmul (8192 on a GPU)")
     ap.add_argument("--profile", action="store_true", help="print a kernel profile of the first case")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
@@ -244,20 +227,21 @@ def main(argv=None) -> int:
     if args.quick:
         args.samples, args.sample_tokens, args.kimi_sample_tokens, args.draft_vocab = 2, 64, 64, 100
         args.warmup, args.iters = 1, 2
-    peak = measure_matmul(device, args.matmul_size)
+    peak = PeakFlops(device, size=args.matmul_size)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "matmul_size": args.matmul_size,
-              "matmul_tflops": peak / 1e12, "ttt_steps": args.ttt_steps,
+              "torch": torch.__version__, "matmul_size": peak.size,
+              "matmul_tflops": peak.value / 1e12, "ttt_steps": args.ttt_steps,
+              "datasheet_peak_tflops": peak.datasheet[1] / 1e12 if peak.datasheet else None,
               "world_size": ctx.world_size, "cases": []}
-    print(f"device {report['device']}, torch {torch.__version__}, bf16 {args.matmul_size}^3 matmul "
-          f"{peak / 1e12:.0f} TFLOP/s", file=sys.stderr)
+    print(f"device {report['device']}, torch {torch.__version__}, {peak.size}^3 matmul: MFU against "
+          f"{peak.rate_text()}", file=sys.stderr)
     first = True
     for setting in args.settings.split(","):
         model, teacher_head = build(setting, args.draft_vocab, device, args.quick)
         cfg = model.config
         samples, tokens = (args.kimi_samples, args.kimi_sample_tokens) if setting == "kimi" \
             else (args.samples, args.sample_tokens)
-        flops = train_flops_per_token(cfg, args.ttt_steps, mean_causal_context([tokens] * samples))
+        context = mean_causal_context([tokens] * samples)
         for compiled in args.compile.split(","):
             model.compile_steps = compiled == "on"
             for mask, shapes in [(m, sh) for sh in args.shapes.split(",") for m in args.masks.split(",")]:
@@ -267,6 +251,8 @@ def main(argv=None) -> int:
                 warm = make_batch(cfg, samples, tokens, mask, device, args.ttt_steps, trim=8) \
                     if shapes == "varying" else None
                 n = batch["input_ids"].numel()
+                scored_share = float(batch["step_rows"].sum()) / (n * args.ttt_steps)
+                flops = train_flops_per_token(cfg, args.ttt_steps, context, scored_share=scored_share)
                 case = {"setting": setting, "mask": mask, "compile": compiled, "shapes": shapes, "tokens": n,
                         "samples": samples, "sample_tokens": tokens,
                         "scored_fraction": float(batch["loss_mask"].float().mean()),
@@ -276,7 +262,8 @@ def main(argv=None) -> int:
                                          args.iters, device, profile=args.profile and first, ctx=ctx,
                                          warm_batch=warm))
                     case["tokens_per_s"] = ctx.world_size * n / case["step_s_mean"]
-                    case["mfu"] = case["tokens_per_s"] * flops["total"] / (peak * ctx.world_size)
+                    case.update(peak.mfu(n * flops["total"] / case["step_s_mean"]))
+                    case["mfu_text"] = peak.describe(case)
                 except Exception as exc:     # keep the other cases' numbers
                     case["error"] = f"{type(exc).__name__}: {exc}"
                     if device.type == "cuda":
@@ -297,20 +284,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def percent(fraction: float | None) -> str:
+    """A utilisation, or the guard's word that the FLOP count is wrong (PeakFlops: never above 100%)."""
+    return OVER_PEAK if fraction is None else f"{fraction:.1%}"
+
+
 def markdown_table(report: dict) -> str:
-    lines = [f"{report['device']}, torch {report['torch']}, bf16 {report['matmul_size']}^3 matmul "
-             f"{report['matmul_tflops']:.0f} TFLOP/s, {report['ttt_steps']} TTT steps, "
-             f"{report.get('world_size', 1)} GPU(s) data parallel (tokens/s is their total)", "",
-             "| setting | loss mask (scored) | compile | shapes | tokens/step | GFLOP/token | step (ms) | tokens/s | MFU | peak GPU memory (GiB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    datasheet = report.get("datasheet_peak_tflops")
+    lines = [f"{report['device']}, torch {report['torch']}, {report['matmul_size']}^3 matmul "
+             f"{report['matmul_tflops']:.4g} TFLOP/s measured in the run"
+             + (f" (datasheet dense bf16 peak {datasheet:.0f} TFLOP/s)" if datasheet else "")
+             + f", {report['ttt_steps']} TTT steps, "
+             f"{report.get('world_size', 1)} GPU(s) data parallel (tokens/s is their total, MFU per GPU)", "",
+             "| setting | loss mask (scored) | compile | shapes | tokens/step | GFLOP/token | step (ms) | tokens/s "
+             f"| MFU of the measured matmul ({report['matmul_tflops']:.4g} TFLOP/s) "
+             + (f"| MFU of the datasheet peak ({datasheet:.0f} TFLOP/s) " if datasheet else "")
+             + "| peak GPU memory (GiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | " + ("--- | " if datasheet else "") + "--- |"]
     for c in report["cases"]:
         shape = f"{c['setting']} ({c['samples']} x {c['sample_tokens']})"
         if "error" in c:
-            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | {c['tokens']} | | | | | {c['error'][:80]} |")
+            empty = "| " * (5 if datasheet else 4)
+            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | {c['tokens']} "
+                         f"{empty}| {c['error'][:80]} |")
             continue
         lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c.get('shapes', '')} | "
                      f"{c['tokens']} | {c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_mean'] * 1e3:.1f} | "
-                     f"{c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c.get('peak_memory_gib', float('nan')):.1f} |")
+                     f"{c['tokens_per_s']:,.0f} | {percent(c['mfu'])} | "
+                     + (f"{percent(c['mfu_datasheet'])} | " if datasheet else "")
+                     + f"{c.get('peak_memory_gib', float('nan')):.1f} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,9 @@
 """What a training run reports: one metrics line per ``log_every`` steps (loss, per-step
-loss and accuracy, grad norm, lr, tokens/s over all ranks, MFU per
-eagle3flow/model/flops.py, the time the loop waited for data) into ``metrics.jsonl`` (in
-the run directory and in ``out_dir``) and the trackers (eagle3flow/train/trackers.py),
-and the evaluations at checkpoints. A resumed run's file keeps the lines up to its
-checkpoint's step and drops the ones it redoes.
+loss and accuracy, grad norm, lr, tokens/s over all ranks, MFU (FLOPs and their
+denominators: eagle3flow/model/flops.py), the time the loop waited for data) into
+``metrics.jsonl`` (in the run directory and in ``out_dir``) and the trackers
+(eagle3flow/train/trackers.py), and the evaluations at checkpoints. A resumed run's file
+keeps the lines up to its checkpoint's step and drops the ones it redoes.
 """
 from __future__ import annotations
 
@@ -13,30 +13,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3flow.model.flops import measure_matmul_flops
+from eagle3flow.model.flops import PeakFlops
 from eagle3flow.train.distributed import DistContext
 from eagle3flow.train.trackers import Trackers, flatten
-
-
-class PeakFlops:
-    """The FLOP/s one device's MFU is relative to: ``train.peak_flops`` when configured,
-    else a matmul measured at start. A measurement taken while the machine was busy comes
-    out low, so an MFU above 100% is never reported: the peak is measured again, and if
-    the achieved rate still exceeds it, the MFU is reported as unknown (None)."""
-
-    def __init__(self, device: torch.device, configured: float | None):
-        self.device, self.configured = device, configured
-        self.value = float(configured) if configured else measure_matmul_flops(device)
-        self.basis = "configured" if configured else "measured matmul"
-        self.remeasured = False
-
-    def mfu(self, achieved_per_device: float) -> dict:
-        """``{"mfu", "mfu_peak_flops", "mfu_basis"}`` for a training rate (FLOP/s per device)."""
-        if achieved_per_device > self.value and not self.configured and not self.remeasured:
-            self.value = max(self.value, measure_matmul_flops(self.device, repeats=20))
-            self.remeasured = True
-        mfu = achieved_per_device / self.value if achieved_per_device <= self.value else None
-        return {"mfu": mfu, "mfu_peak_flops": self.value, "mfu_basis": self.basis}
 
 
 def read_metrics(path: Path, up_to_step: int) -> list[str]:
@@ -70,24 +49,29 @@ def start_metrics_files(paths: tuple[Path, ...], history: list[str]) -> None:
 class TrainMetrics:
     """The metrics lines of a run. Every rank calls :meth:`step` after each optimizer step
     and :meth:`line` at the same steps (it sums over ranks); only the main rank writes.
-    ``text`` is the last line in short, for the progress line."""
+    ``text`` is the last line in short, for the progress line. ``flops``: the run's
+    :func:`eagle3flow.model.flops.train_flops_per_token` (its ``per_row`` and ``per_scored``:
+    a step's FLOPs follow the rows its loss scores)."""
 
     def __init__(self, ctx: DistContext, paths: tuple[Path, ...], trackers: Trackers, peak: PeakFlops,
-                 flops_per_token: float, num_steps: int):
+                 flops: dict, num_steps: int):
         self.ctx, self.paths, self.trackers, self.peak = ctx, paths, trackers, peak
-        self.flops_per_token, self.num_steps = flops_per_token, num_steps
+        self.flops, self.num_steps = flops, num_steps
         self.text = ""
         self.reset_window(time.perf_counter())
 
     def reset_window(self, now: float) -> None:
-        """Tokens, steps and data-wait time since the last metrics line (the rates' window)."""
-        self.window_tokens, self.window_wait, self.window_steps, self.window_t0 = 0, 0.0, 0, now
+        """Tokens, scored rows, steps and data-wait time since the last metrics line (the rates' window)."""
+        self.window_tokens, self.window_scored, self.window_steps = 0, 0, 0
+        self.window_wait, self.window_t0 = 0.0, now
 
     def waited(self, seconds: float) -> None:
         self.window_wait += seconds
 
-    def step(self, tokens: int) -> None:
+    def step(self, tokens: int, scored_rows: int) -> None:
+        """A global batch of ``tokens`` trained, its loss scored on ``scored_rows`` (all TTT steps)."""
         self.window_tokens += tokens
+        self.window_scored += scored_rows
         self.window_steps += 1
 
     def line(self, step: int, epoch: int, loss: torch.Tensor | None, stats: list[tuple[float, float, int]],
@@ -102,19 +86,19 @@ class TrainMetrics:
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         now = time.perf_counter()
-        tokens_per_s = self.window_tokens / max(now - self.window_t0, 1e-9)
+        seconds = max(now - self.window_t0, 1e-9)
+        tokens_per_s = self.window_tokens / seconds
+        flops = self.window_tokens * self.flops["per_row"] + self.window_scored * self.flops["per_scored"]
         row = {"step": step, "epoch": epoch, "loss": summed[0],
                "step_loss": summed[2:2 + num_steps],
                "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],
                "step_rows": [int(c) for c in counts], "grad_norm": float(grad_norm), "lr": lr,
                "tokens": tokens, "tokens_per_s": tokens_per_s,
-               **self.peak.mfu(tokens_per_s * self.flops_per_token / ctx.world_size),
+               **self.peak.mfu(flops / seconds / ctx.world_size),
                "data_wait_s": summed[1] / ctx.world_size / self.window_steps,
                "world_size": ctx.world_size}
         self.reset_window(now)
-        mfu_text = ("n/a" if row["mfu"] is None
-                    else f"{row['mfu']:.1%} of {row['mfu_peak_flops'] / 1e12:.2f} TFLOP/s")
-        self.text = (f"loss {row['loss']:.4f} acc0 {row['step_acc'][0]:.3f} mfu {mfu_text} "
+        self.text = (f"loss {row['loss']:.4f} acc0 {row['step_acc'][0]:.3f} mfu {self.peak.describe(row)} "
                      f"data-wait {row['data_wait_s'] * 1e3:.1f} ms/step")
         if ctx.is_main:
             line = json.dumps(row)

@@ -33,11 +33,11 @@ in bf16), fp32 on CPU.
 
 Observability (eagle3flow/train/metrics.py): one metrics line per ``log_every`` steps
 (loss, per-step loss and accuracy, tokens/s over all ranks, MFU per
-eagle3flow/model/flops.py, the time the loop waited for data); the progress line prints
-the same with an ETA. At every checkpoint the eval split's acceptance length is
-computed as greedy decoding would measure it (the decode walk of
-eagle3flow/train/eval_split.py, capped by ``eval_max_tokens``); the best checkpoint is
-kept besides the last ``keep_checkpoints``.
+eagle3flow/model/flops.py with its denominators named, the time the loop waited for
+data); the progress line prints the same with an ETA. At every checkpoint the eval
+split's acceptance length is computed as greedy decoding would measure it (the decode
+walk of eagle3flow/train/eval_split.py, capped by ``eval_max_tokens``); the best
+checkpoint is kept besides the last ``keep_checkpoints``.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from eagle3flow.atomic import write_json
 from eagle3flow.config import cli_settings, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
-from eagle3flow.model.flops import mean_causal_context, train_flops_per_token
+from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_per_token
 from eagle3flow.progress import Progress
 from eagle3flow.train.build import build_draft, load_vocab_map
 from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
@@ -65,7 +65,7 @@ from eagle3flow.train.data import BatchLoader, EpochPlans, ShardData, rank_share
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.loss import ttt_loss
-from eagle3flow.train.metrics import PeakFlops, TrainMetrics, read_metrics, start_metrics_files
+from eagle3flow.train.metrics import TrainMetrics, read_metrics, start_metrics_files
 from eagle3flow.train.optim import build_optimizers, build_schedule
 from eagle3flow.train.trackers import Trackers
 
@@ -257,14 +257,15 @@ def train_rank(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab
     loader = BatchLoader(data, shares, num_steps, device, workers, cfg["prefetch_batches"])
 
     all_lengths = [n for shard in data.lengths for n in shard]
-    flops_per_token = train_flops_per_token(trainer.model.config, num_steps, mean_causal_context(all_lengths))["total"]
+    flops = train_flops_per_token(trainer.model.config, num_steps, mean_causal_context(all_lengths))
+    flops_per_token = flops["total"]
     peak = PeakFlops(device, cfg["peak_flops"])
     log(f"train: {ctx.world_size} process(es) on {device.type}, {total_steps} steps of <= "
-        f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token, "
-        f"peak {peak.value / 1e12:.2f} TFLOP/s per device ({'configured' if cfg['peak_flops'] else 'measured'})")
+        f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token with every row scored "
+        f"({trainer.model.config.architecture} draft), MFU against {peak.rate_text()} per device")
 
     trackers = Trackers(cfg["report_to"] if ctx.is_main else [], out_dir, fp, cfg)
-    metrics = TrainMetrics(ctx, metrics_paths, trackers, peak, flops_per_token, num_steps)
+    metrics = TrainMetrics(ctx, metrics_paths, trackers, peak, flops, num_steps)
     progress = Progress("train", data.num_tokens * cfg["epochs"], unit="tokens",
                         done=data.num_tokens * cfg["epochs"] - sum(global_tokens),
                         stream=sys.stderr if ctx.is_main else open(os.devnull, "w"))
@@ -273,7 +274,7 @@ def train_rank(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab
         batch = loader.next()
         metrics.waited(loader.wait_s)
         result = trainer.train_step(batch, global_tokens[k])
-        metrics.step(global_tokens[k])
+        metrics.step(global_tokens[k], sum(result["counts"]))
         step = trainer.run.step
         if step % cfg["log_every"] == 0 or step == total_steps:
             metrics.line(step, data_epoch + epoch, result["loss"], result["stats"], result["counts"],
