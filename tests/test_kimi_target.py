@@ -262,6 +262,22 @@ def vllm_runs(kimi, kimi_int4, remote_tokenizer, tmp_path_factory) -> dict:
     return {"prompt": prompt, "log": done.stdout + done.stderr, **dict(zip(runs, results))}
 
 
+def test_project_engines_run_the_wrappers_core_in_a_child_process(kimi, tmp_path, monkeypatch):
+    """The extraction and the evaluation run a one-worker engine's core in their own process,
+    except for a wrapper, which crashes there on vLLM's CPU build (the last test below):
+    its core runs in a child process, as `vllm serve` runs it. A value already set wins."""
+    from eagle3flow.serving.vllm_runner import engine_core_in_process, engine_process_env
+
+    assert engine_core_in_process(kimi) is False
+    assert engine_core_in_process(plain_language_model(kimi, tmp_path / "plain")) is True
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    engine_process_env(kimi)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine_process_env(kimi)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 @pytest.mark.slow
 def test_vllm_cpu_runs_the_wrapper_as_its_language_model(kimi, remote_tokenizer, vllm_runs, tmp_path):
     """vLLM builds KimiK25ForConditionalGeneration (vision tower and projector loaded,
