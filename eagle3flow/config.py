@@ -278,14 +278,16 @@ def add_original_answers_draft(config: dict, draft_dir: str) -> None:
 
 def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     """The evaluate section as the evaluation takes it: the optional prompt sets that
-    exist joined to prompt_sets, tensor parallelism over all ``gpus`` of the node (1 on
-    the CPU build), and the replay's largest K the TTT steps unless set (the
-    acceptance-length-vs-K curve then comes from the one baseline run)."""
+    exist joined to prompt_sets, tensor parallelism 1 where the node has no GPUs or the
+    evaluation runs on the CPU (else, unset, the stage takes every GPU its job sees: the
+    node's ``gpus``, or 1 where vLLM turns out to be the CPU build), and the replay's
+    largest K the TTT steps unless set (the acceptance-length-vs-K curve then comes from
+    the one baseline run)."""
     settings = copy.deepcopy(config["evaluate"])
     optional = settings.pop("optional_prompt_sets")
     settings["prompt_sets"] = {**{name: path for name, path in optional.items() if exists(path)},
                                **settings["prompt_sets"]}
-    if settings["tensor_parallel_size"] is None:
-        settings["tensor_parallel_size"] = gpus if gpus > 0 and settings["device"] != "cpu" else 1
+    if settings["tensor_parallel_size"] is None and (gpus == 0 or settings["device"] == "cpu"):
+        settings["tensor_parallel_size"] = 1
     settings["replay_max_k"] = settings["replay_max_k"] or config["train"]["ttt_steps"]
     return settings

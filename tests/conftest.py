@@ -154,7 +154,8 @@ def upstream(tmp_path_factory) -> Path:
 
 # Under xdist (--dist loadgroup) each module is one group, so its module fixtures are
 # built once; the tests of the embedded default build share one group, so that build
-# (minutes) is made once; the real-target test is a group of its own. `make test` hands
+# (minutes) is made once; the real-target test and the Kimi-K2.5 one (five vLLM starts,
+# the unit's own among them) are groups of their own. `make test` hands
 # the groups out in the order sorted here (--no-loadscope-reorder): the longest ones
 # first, so that no long group starts late and ends the run alone, then the rest by
 # their number of tests.
@@ -162,8 +163,10 @@ SHARED_BUILD = "embedded_default_build"
 SHARED_BUILD_TESTS = {"test_embedded.py", "test_streaming.py",
                       "test_workflow.py::test_embedded_default_end_to_end_with_kills"}
 # The shared build's group goes third: the controller builds its target meanwhile
-# (pytest_configure), so no worker waits for the build.
-LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py", SHARED_BUILD)
+# (pytest_configure), so no worker waits for the build. The Kimi-K2.5 test, fourth: with
+# its module's few tests it would be handed out among the last and end the run alone.
+LONGEST_FIRST = ("test_workflow.py::test_real_target_end_to_end", "test_fault_matrix.py", SHARED_BUILD,
+                 "test_workflow.py::test_kimi_k25_layout_end_to_end_on_the_production_box")
 
 
 def xdist_group(item) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3flow.eval.agreement import compare_outputs
-from eagle3flow.eval.evaluate import EvalOptions, evaluate
+from eagle3flow.eval.evaluate import EvalOptions, evaluate, job_gpus
 from eagle3flow.eval.replay import acceptance_summary, replay_greedy_speculation
 from eagle3flow.serving.vllm_runner import render_prompts, run_vllm
 from support.deadline import deadline
@@ -407,3 +407,15 @@ def test_mt_bench_and_two_drafts_side_by_side(tmp_path):
     mt_table = page.split('id="categories-mt_bench"')[1].split("</table>")[0]
     assert mt_table.count("<tr data-category=") == len(categories)
     assert "new: accepted tokens" in mt_table and "mine: accepted tokens" in mt_table
+
+
+def test_unset_tensor_parallelism_takes_the_gpus_the_job_sees(monkeypatch):
+    """evaluate.tensor_parallel_size null on a node with GPUs (config.evaluate_settings leaves
+    it unset): every CUDA device the job sees; the CPU build (this torch on the CPU runs
+    vLLM): 1, not one worker per GPU the stage wrapper gave the job; a separate vLLM
+    (evaluate.vllm_python): the devices CUDA_VISIBLE_DEVICES names."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert job_gpus(torch.device("cpu"), None) == 1
+    assert job_gpus(torch.device("cpu"), "/opt/vllm-cuda/bin/python") == 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert job_gpus(torch.device("cuda"), None) == 8

@@ -1,11 +1,11 @@
 """A Kimi-K2.5-layout target (tests/support/kimi_target.py) through the project's real paths:
 its remote tokenizer and chat format, the loss mask, the config and weight readers, the
-draft config, HF extraction, and vLLM's CPU build.
+draft config, HF extraction (the wrapper's language model), and vLLM's CPU build.
 
-What runs today and what waits: the tokenizer, the template, the readers and the draft
-config work, the project's tokenizer loader (with target.trust_remote_code; refused
-without it) and the loss mask with Kimi's own slow tokenizer (no offsets); the HF backend
-does not yet (a strict xfail says what it waits for). Without
+The tokenizer, the template, the readers and the draft config work, the project's
+tokenizer loader (with target.trust_remote_code; refused without it), the loss mask with
+Kimi's own slow tokenizer (no offsets) and the HF backend on the wrapper's language model.
+The whole workflow on this fixture runs in tests/test_workflow.py. Without
 ``trust_remote_code`` transformers 5 does not refuse Kimi's tokenizer: it converts
 ``tiktoken.model`` to a fast tokenizer with a generic split, which tokenizes some text
 differently from Kimi's (asserted below). On vLLM's CPU build the wrapper (vision
@@ -29,11 +29,11 @@ from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.target.config import load_target_config, read_config_file
 from eagle3flow.target.weights import load_target_head, tensor_locations
+from eagle3flow.extract.shards import load_manifest
 from support.kimi_target import INT4_GROUP_SIZE, NUM_SPECIAL, SPECIAL_TOKENS, make_kimi_k25_target, \
     plain_language_model
 
 REPO = Path(__file__).resolve().parent.parent
-NEEDS_TRC = "needs target.trust_remote_code (wt-c)"
 
 CONVERSATION = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -212,17 +212,30 @@ def test_int4_experts_are_the_dense_ones_packed_as_compressed_tensors(kimi, kimi
     assert all(torch.equal(a, b) for a, b in zip(load_target_head(kimi).values(), load_target_head(kimi_int4).values()))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    f"{NEEDS_TRC}: transformers' AutoModelForCausalLM has no local class for kimi_k25, so it asks for "
-    "the hub's remote modeling_kimi_k25.py, which this fixture does not ship either"))
-def test_hf_extraction_of_the_wrapper(kimi, tmp_path):
-    from eagle3flow.extract.hf import extract
+def test_hf_extraction_of_the_wrapper_is_its_language_models(kimi, tmp_path):
+    """The HF backend (and the evaluation's replay, which loads the target the same way:
+    eagle3flow/target/model.py) runs the wrapper as its language model, with no modeling
+    code of the wrapper's own: the same states as a plain DeepseekV3ForCausalLM of the same
+    language-model tensors. Without target.trust_remote_code it is refused, naming the key."""
+    from eagle3flow.extract.hf import extract, load_target
     from support.builders import write_dataset
 
     data = write_dataset(tmp_path / "train.parquet", 4, min_len=8, vocab=load_target_config(kimi)["vocab_size"])
-    manifest = extract(data, kimi, tmp_path / "hs" / "manifest.json", tmp_path / "cache",
-                       aux_layer_ids=[2, 4, 5], dtype="float32", device="cpu", shard_tokens=100)
-    assert manifest["num_samples"] == 4
+    with pytest.raises(ValueError, match="target.trust_remote_code is false"):
+        load_target(kimi, torch.float32, torch.device("cpu"))
+    model = load_target(kimi, torch.float32, torch.device("cpu"), trust_remote_code=True)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    states = {}
+    for name, target in (("wrapper", kimi), ("plain", plain_language_model(kimi, tmp_path / "plain"))):
+        manifest = extract(data, target, tmp_path / name / "manifest.json", tmp_path / name / "cache",
+                           aux_layer_ids=[2, 4, 5], dtype="float32", device="cpu", shard_tokens=100,
+                           trust_remote_code=name == "wrapper")
+        assert manifest["num_samples"] == 4
+        states[name] = list(load_manifest(tmp_path / name / "manifest.json").iter_samples())
+    for wrapped, plain in zip(states["wrapper"], states["plain"], strict=True):
+        assert wrapped["id"] == plain["id"]
+        for key in ("input_ids", "aux_hidden_states", "last_hidden_state"):
+            assert torch.equal(wrapped[key], plain[key]), key
 
 
 # ----------------------------------------------------------------------------- vLLM (CPU build)
@@ -247,6 +260,22 @@ def vllm_runs(kimi, kimi_int4, remote_tokenizer, tmp_path_factory) -> dict:
                if line.startswith("RESULT ")]
     assert done.returncode == 0 and len(results) == len(runs), done.stdout[-3000:] + done.stderr[-3000:]
     return {"prompt": prompt, "log": done.stdout + done.stderr, **dict(zip(runs, results))}
+
+
+def test_project_engines_run_the_wrappers_core_in_a_child_process(kimi, tmp_path, monkeypatch):
+    """The extraction and the evaluation run a one-worker engine's core in their own process,
+    except for a wrapper, which crashes there on vLLM's CPU build (the last test below):
+    its core runs in a child process, as `vllm serve` runs it. A value already set wins."""
+    from eagle3flow.serving.vllm_runner import engine_core_in_process, engine_process_env
+
+    assert engine_core_in_process(kimi) is False
+    assert engine_core_in_process(plain_language_model(kimi, tmp_path / "plain")) is True
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    engine_process_env(kimi)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine_process_env(kimi)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 @pytest.mark.slow

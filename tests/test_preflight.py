@@ -27,6 +27,7 @@ import pytest
 from conftest import REPORTS
 from support.box import FakeBox, run_snakemake, snakemake_args
 from support.builders import write_word_conversations
+from support.kimi_target import make_kimi_k25_target
 from support.targets import add_remote_tokenizer_code, make_chat_target
 from support.workflow import workflow_copy
 
@@ -61,6 +62,11 @@ CASES = [
          "model.safetensors.index.json lists 1 shard(s) that are missing"),
     Case("a target with its own tokenizer code, target.trust_remote_code: false",
          {"target": {"path": "<remote_code>"}}, "preflight",
+         "target.trust_remote_code is false"),
+    # The README's Kimi-K2.5 without the key (its fixture: tests/support/kimi_target.py);
+    # with it, the whole workflow runs (tests/test_workflow.py).
+    Case("the Kimi-K2.5-layout target, target.trust_remote_code: false",
+         {"target": {"path": "<kimi_k25>"}}, "preflight",
          "target.trust_remote_code is false"),
 ]
 
@@ -121,7 +127,8 @@ def targets(tmp_path_factory) -> dict[str, Path]:
         **{name: "model.safetensors" for name in tensor_names(good / "model.safetensors")},
         "lm_head.weight": "model-00002-of-00002.safetensors"}}))
     remote_code = add_remote_tokenizer_code(shutil.copytree(good, root / "remote_code"))
-    return {"good": good, "no_weights": no_weights, "missing_shard": missing_shard, "remote_code": remote_code}
+    return {"good": good, "no_weights": no_weights, "missing_shard": missing_shard, "remote_code": remote_code,
+            "kimi_k25": make_kimi_k25_target(root / "kimi_k25")}
 
 
 def tensor_names(path: Path) -> list[str]:

@@ -23,7 +23,7 @@ def acceptance(al: float, k: int) -> dict:
             "num_accepted_tokens_per_pos": [5] * k}
 
 
-def fake_stage_outputs(root: Path, downtime: dict | None = None) -> dict:
+def fake_stage_outputs(root: Path, downtime: list | None = None) -> dict:
     """The files the stages write (docs/formats.md), small but in their real formats."""
     k, max_k = 3, 5
     result = {
@@ -107,14 +107,17 @@ def test_build_report_writes_figures_tables_and_json(tmp_path):
 
 
 def test_report_shows_service_downtime_when_recorded(tmp_path):
-    paths = fake_stage_outputs(tmp_path / "results", downtime={"unit": "vllm-kimi.service",
-                                                               "downtime_s": 1234.5})
+    """downtime.json as the drain writes it: a list, one record per drain/restore cycle."""
+    cycles = [{"unit": "vllm-kimi.service", "downtime_s": 1234.5, "stages": ["extract_hidden_states"]},
+              {"unit": "vllm-kimi.service", "downtime_s": 65.5, "stages": ["evaluate_draft"]}]
+    paths = fake_stage_outputs(tmp_path / "results", downtime=cycles)
     info = build_report(tmp_path / "report", paths["eval_summary"], paths["train_metrics"],
                         paths["vocab_stats"], paths["dataset_stats"], paths["manifests"],
                         downtime=paths["downtime"])
     run = (tmp_path / "report" / "run.html").read_text()
-    assert NO_DOWNTIME not in run and "vllm-kimi.service" in run and "1234.5" in run
-    assert info["service_downtime"]["downtime_s"] == 1234.5
+    assert NO_DOWNTIME not in run and "vllm-kimi.service" in run and "1234.5" in run and "65.5" in run
+    assert "2 drain/restore cycle(s), 1300.0 s down in all" in run
+    assert [c["downtime_s"] for c in info["service_downtime"]] == [1234.5, 65.5]
 
 
 def test_report_names_the_bad_file(tmp_path):

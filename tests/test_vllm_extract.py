@@ -24,7 +24,7 @@ from eagle3flow.extract import shards
 from eagle3flow.extract.extraction import LOADING_LINE, SHARD_DELAY_ENV
 from eagle3flow.extract.hf import extract
 from eagle3flow.extract.vllm import (capture_layer_ids, check_layer_ids, find_cache_group,
-                                     gather_sample, restore_order)
+                                     gather_sample, resolve_tensor_parallel_size, restore_order)
 from support.builders import write_dataset
 from support.processes import live_session_members
 from support.tiny_targets import make_tiny_deepseek_v3, make_tiny_llama
@@ -125,6 +125,19 @@ def test_embeddings_refused_for_deepseek_only():
         check_layer_ids([0, 2, 5], {"model_type": "deepseek_v3"}, "/m/config.json")
     check_layer_ids([1, 2, 5], {"model_type": "deepseek_v3"}, "/m/config.json")
     check_layer_ids([0, 2, 5], {"model_type": "llama"}, "/m/config.json")
+
+
+def test_tensor_parallelism_is_one_on_the_cpu_whatever_the_node_has(monkeypatch):
+    """resources.gpus (8 under local-8gpu) is the engine's TP on CUDA; a GPU stage that falls
+    back to the CPU (vLLM's CPU build) runs one engine: TP 8 there fails in vLLM's config
+    ("Total number of attention heads (2) must be divisible by tensor parallel size (8)")."""
+    assert resolve_tensor_parallel_size(8, torch.device("cpu")) == 1
+    assert resolve_tensor_parallel_size(None, torch.device("cpu")) == 1
+    assert resolve_tensor_parallel_size(8, torch.device("cuda")) == 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve_tensor_parallel_size(None, torch.device("cuda")) == 4
+    with pytest.raises(ValueError, match="must be >= 1"):
+        resolve_tensor_parallel_size(0, torch.device("cuda"))
 
 
 def test_cache_group_found_by_layer_name():

@@ -92,6 +92,18 @@ class EvalOptions:
     vllm_sweep_k: list = field(default_factory=list)
 
 
+def job_gpus(torch_device: torch.device, vllm_python: str | None) -> int:
+    """vLLM's tensor parallelism left unset (evaluate.tensor_parallel_size null on a node
+    with GPUs): every GPU this job sees (the stage wrapper gave it the node's
+    resources.gpus). Where this interpreter's torch runs on the CPU and runs vLLM too,
+    vLLM is the CPU build: 1, not one engine worker per GPU the job was given. A separate
+    vLLM (``vllm_python``) takes the devices CUDA_VISIBLE_DEVICES names."""
+    if torch_device.type == "cuda":
+        return max(1, torch.cuda.device_count())
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return max(1, len(visible)) if vllm_python else 1
+
+
 def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
@@ -131,7 +143,6 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     # Optional sets whose file is there (MT-bench beside a checkout), then the required ones.
     extra_sets = {**{name: path for name, path in (o.optional_prompt_sets or {}).items() if Path(path).is_file()},
                   **(o.prompt_sets or {})}
-    tensor_parallel_size = int(o.tensor_parallel_size or 1)
     if "eval" in extra_sets:
         raise ValueError("prompt_sets: 'eval' is the held-out split's name; pick another")
     check_remote_code(target_path, trust_remote_code)   # before anything is written
@@ -155,6 +166,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
                          f"({longest} tokens)")
     torch_device, _, dtype_name = resolve_precision(o.device, o.dtype)
     vllm_device = o.device if o.device == "auto" else torch_device.type
+    tensor_parallel_size = o.tensor_parallel_size or job_gpus(torch_device, o.vllm_python)
     base_request = {
         "target": str(target_path.resolve()), "max_tokens": int(max_tokens),
         "sets": [{"name": s["name"], "prompts": s["prompts"],

@@ -36,6 +36,7 @@ from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extrac
 from eagle3flow.extract.shard_plan import ShardPlan
 from eagle3flow.extract.throughput import record_throughput, throughput_path
 from eagle3flow.progress import Progress
+from eagle3flow.target.model import load_target_model
 
 # Shard-sized host buffers in rotation. A buffer is held for compute + write of its
 # shard, so with compute ~= write, 2 leave no slack (measured 0.82 of the bound on an
@@ -91,13 +92,8 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def load_target(target_path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
-    # transformers takes seconds to import: only when a model is loaded (a cached rerun loads none).
-    from transformers import AutoModelForCausalLM
-
-    # False, never transformers' default None: that asks on stdin, which a job has not.
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype,
-                                                 trust_remote_code=bool(trust_remote_code))
-    return model.to(device).eval()
+    """The target's causal LM (a multimodal wrapper's language model: eagle3flow/target/model.py)."""
+    return load_target_model(target_path, dtype, device, trust_remote_code)
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:

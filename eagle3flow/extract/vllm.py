@@ -50,7 +50,7 @@ from eagle3flow.extract.extraction import (LOADING_LINE, SHARD_DELAY_ENV, Extrac
                                            shards_to_compute)
 from eagle3flow.extract.throughput import record_throughput, throughput_path
 from eagle3flow.progress import Progress
-from eagle3flow.serving.vllm_runner import cpu_engine_options
+from eagle3flow.serving.vllm_runner import cpu_engine_options, engine_process_env
 
 CONNECTOR_NAME = "ShardConnector"
 CONNECTOR_MODULE = "eagle3flow.extract.vllm_connector"
@@ -196,12 +196,16 @@ class VllmEngine:
 
 
 def resolve_tensor_parallel_size(requested: int | None, device: torch.device) -> int:
-    """None = every visible GPU on CUDA (the whole node), 1 on the CPU build."""
+    """None = every visible GPU on CUDA (the whole node); ``requested`` (resources.gpus)
+    there too. 1 on the CPU, whatever the node's GPUs are: a GPU stage that falls back to
+    the CPU (vLLM's CPU build) runs one engine, not one per GPU it was given."""
+    if device.type == "cpu":
+        return 1
     if requested is not None:
         if requested < 1:
             raise ValueError(f"tensor_parallel_size {requested}: must be >= 1")
         return requested
-    return 1 if device.type == "cpu" else max(1, torch.cuda.device_count())
+    return max(1, torch.cuda.device_count())
 
 
 def load_engine(x: Extraction, max_model_len: int, tensor_parallel_size: int | None = None,
@@ -220,8 +224,9 @@ def load_engine(x: Extraction, max_model_len: int, tensor_parallel_size: int | N
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; read when vLLM starts
     if tp == 1:
-        # One process: no engine-core child to start, or to leave behind when killed.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # One process where the target allows: no engine-core child to start, or to leave
+        # behind when killed (serving/vllm_runner.py engine_core_in_process).
+        engine_process_env(x.target_path)
     # vLLM reads the environment above when imported, so only now.
     from vllm import LLM
     from vllm.platforms import current_platform

@@ -15,8 +15,9 @@ The rule marks these with Snakemake's ``report()`` so ``snakemake --report
 report.html`` embeds them in one self-contained HTML file.
 
 Service downtime comes from ``--downtime`` (``results/service/downtime.json``, written
-by the drain stage when a production vLLM unit was stopped for extraction/training);
-without that file the report says that no service was drained.
+by the drain when a production vLLM unit was stopped for the GPU stages: a list, one
+record per drain/restore cycle); without that file the report says that no service
+was drained.
 """
 from __future__ import annotations
 
@@ -233,8 +234,12 @@ def run_html(info: dict) -> str:
     if downtime is None:
         parts.append(f'<p id="service-downtime">{NO_DOWNTIME}</p>')
     else:
-        scalars = {k: v for k, v in downtime.items() if not isinstance(v, (dict, list))}
-        parts.append(f'<div id="service-downtime">{_kv_table(scalars)}'
+        # one table per drain/restore cycle (downtime.json is a list of them), then the records
+        total = sum(float(cycle.get("downtime_s") or 0) for cycle in downtime)
+        tables = "".join(_kv_table({k: v for k, v in cycle.items() if not isinstance(v, (dict, list))})
+                         for cycle in downtime)
+        parts.append(f'<div id="service-downtime"><p>{len(downtime)} drain/restore cycle(s), '
+                     f"{total:.1f} s down in all</p>{tables}"
                      f"<pre>{_e(json.dumps(downtime, indent=2))}</pre></div>")
 
     dataset = info["dataset"]
@@ -284,7 +289,10 @@ def build_report(out_dir, eval_summary, train_metrics, vocab_stats, dataset_stat
     train_eval_data = read_json(train_eval, "training eval") if train_eval else {}
     downtime_data = None
     if downtime and Path(downtime).is_file():
+        # the drain writes a list, one record per cycle (docs/formats.md); one record alone reads as one cycle
         downtime_data = read_json(downtime, "service downtime")
+        if isinstance(downtime_data, dict):
+            downtime_data = [downtime_data]
 
     plots.plot_training(metrics, out_dir / FIGURES["training"])
     plots.plot_acceptance_per_position(summary, out_dir / FIGURES["acceptance_per_position"])

@@ -55,7 +55,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
-from eagle3flow.target.config import load_target_config
+from eagle3flow.target.config import is_wrapper, load_target_config, read_config_file
 from eagle3flow.target.tokenizer import load_tokenizer
 
 SPEC_COUNTERS = {
@@ -204,6 +204,26 @@ def spec_engine_options(arg_names: set[str]) -> dict:
     return {}
 
 
+def engine_core_in_process(target: str | os.PathLike) -> bool:
+    """Whether a one-worker engine may run its core in this process (no engine-core child
+    to start, whose imports take seconds, or to leave behind when killed).
+
+    Not for a multimodal wrapper (Kimi-K2.5): vLLM builds its input processor in this
+    process first, importing the model's module (Kimi-K2.5's imports numba for its image
+    preprocessing), and then vLLM 0.32's CPU worker, rebinding Triton kernels by scanning
+    every loaded module, meets llvmlite's library object, which answers even ``__dict__``
+    with a function wrapper, and fails before the model loads ("'_lib_fn_wrapper' object
+    has no attribute 'get'"). An engine core in a child process scans before it imports
+    the model, as ``vllm serve`` does (tests/test_kimi_target.py shows both)."""
+    return not is_wrapper(read_config_file(target))
+
+
+def engine_process_env(target: str | os.PathLike) -> None:
+    """Where a one-worker engine's core runs (:func:`engine_core_in_process`), for vLLM to
+    read when the engine starts; a value already in the environment wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if engine_core_in_process(target) else "1")
+
+
 def cpu_engine_options(target_config: dict, dtype: str) -> dict:
     """vLLM CPU engine options a target needs to compute what transformers computes.
 
@@ -238,9 +258,10 @@ def generate(request: dict) -> dict:
         # Must be set before vLLM is imported; 1 GiB of KV cache is plenty for eval.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if int(request["tensor_parallel_size"]) == 1:
-        # One engine, one process: no engine-core/worker children to start (each would
-        # import torch and vLLM again) or to leave behind, and the metrics registry is ours.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # One engine, one process where the target allows (engine_core_in_process): no
+        # engine-core/worker children to start (each would import torch and vLLM again) or
+        # to leave behind; the counters are the engine's either way.
+        engine_process_env(request["target"])
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform

@@ -29,6 +29,11 @@ def read_config_file(target_path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
+def is_wrapper(config: dict) -> bool:
+    """Whether a ``config.json`` dict is a wrapper's: its language model nested under ``text_config``."""
+    return isinstance(config.get("text_config"), dict)
+
+
 def text_config(config: dict) -> dict:
     """The language model's config of a ``config.json`` dict: ``text_config`` when nested,
     with the :data:`OUTER_FILL_KEYS` it lacks taken from the outer config; else ``config``."""

@@ -30,9 +30,14 @@ GPU_PROGRAMS = "eagle3flow.extract:eagle3flow.train.trainer:eagle3flow.eval.eval
 
 
 class FakeBox:
-    """One node: a fake vLLM unit holding NUM_GPUS fake GPUs, and the stand-in tools."""
+    """One node: a fake vLLM unit holding NUM_GPUS fake GPUs, and the stand-in tools.
 
-    def __init__(self, root: Path, ignore_sigterm: bool = False):
+    ``server(port)``: the command of a real server the unit runs as its GPU-holding
+    worker instead of the stand-in's sleeping one (fixtures/service/fake_vllm.py ``--``),
+    listening on ``port``, where the drain's health URL points: e.g. vLLM serving a test
+    target, which the workflow's regenerate stage then asks as it asks production."""
+
+    def __init__(self, root: Path, ignore_sigterm: bool = False, server=None):
         self.root = root
         self.systemd, self.gpus = root / "systemd", root / "gpus"
         (self.systemd / "units").mkdir(parents=True)
@@ -42,7 +47,11 @@ class FakeBox:
         command = [sys.executable, str(FIXTURES / "fake_vllm.py"), "--port", str(self.port),
                    "--gpu-dir", str(self.gpus), "--gpus", str(NUM_GPUS), "--startup-s", "0.3",
                    "--broken-if", str(root / "unit-broken")]
-        unit = {"exec": command + (["--ignore-sigterm"] if ignore_sigterm else []),
+        if ignore_sigterm:
+            command.append("--ignore-sigterm")
+        if server is not None:
+            command += ["--", *server(self.port)]
+        unit = {"exec": command,
                 "stop_wait_s": 1 if ignore_sigterm else 10, "kill_after_stop_wait": not ignore_sigterm}
         (self.systemd / "units" / f"{UNIT}.json").write_text(json.dumps(unit))
         self.env = {**os.environ, "FAKE_SYSTEMD_DIR": str(self.systemd), "FAKE_GPU_DIR": str(self.gpus),
@@ -90,9 +99,14 @@ class FakeBox:
         return [entry["watchdog_pid"] for entry in (self.session() or {}).get("runs", {}).values()
                 if entry.get("watchdog_pid")]
 
-    def start_unit(self) -> None:
+    def start_unit(self, timeout: float = 20) -> None:
         assert self.systemctl("start", UNIT).returncode == 0
-        assert self.wait_healthy(20), "the fake unit did not come up"
+        assert self.wait_healthy(timeout), "the fake unit did not come up: " + self.unit_log()[-3000:]
+
+    def unit_log(self) -> str:
+        """What the unit's processes wrote (every start appends)."""
+        log = self.systemd / "run" / f"{UNIT}.log"
+        return log.read_text(errors="replace") if log.exists() else ""
 
     def unit_pids(self) -> list[int]:
         pgid_file = self.systemd / "run" / f"{UNIT}.pgid"
