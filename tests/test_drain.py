@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
 from support.deadline import deadline
@@ -234,6 +236,55 @@ def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
         assert not (box.state_dir / "session.json").exists()
     finally:
         box.close()
+
+
+SUDO = Path(__file__).resolve().parent / "fixtures" / "sudo"
+DOC = REPO / "docs" / "service.md"
+
+
+def documented_sudo(box: FakeBox, user: str) -> tuple[list[str], str]:
+    """docs/service.md's advice for a user who may not stop units: its `drain.systemctl`
+    (in the set-up's YAML) and its sudoers lines, for this box's unit, this user and the
+    stand-in systemctl, as the operator fills them in."""
+    text = DOC.read_text()
+    [prefix] = {tuple(yaml.safe_load(m)) for m in re.findall(r"# (\[sudo[^\]]*\])", text)}
+    [block] = re.findall(r"```sudoers\n(.*?)```", text, re.S)
+    sudoers = (block.replace("vllm-kimi-k25-int4.service", UNIT).replace("alice ", f"{user} ")
+               .replace("/usr/bin/systemctl", os.path.realpath(shutil.which("systemctl", path=box.env["PATH"]))))
+    return list(prefix), sudoers
+
+
+def test_drain_and_restore_through_sudo_allowed_only_what_the_doc_lists(box, tmp_path):
+    """`systemctl: [sudo, -n, systemctl]` with exactly docs/service.md's sudoers lines: a
+    drain and a restore work through a sudo that refuses every other command line; the
+    advice before (start and stop only) failed the drain before it touched the unit."""
+    import getpass
+
+    prefix, sudoers = documented_sudo(box, getpass.getuser())
+    log = tmp_path / "sudo.log"
+    env = {"PATH": f"{SUDO}{os.pathsep}{box.env['PATH']}", "FAKE_SUDOERS": str(tmp_path / "sudoers"),
+           "FAKE_SUDO_LOG": str(log)}
+    (tmp_path / "sudoers").write_text(sudoers)
+    box.start_unit()
+    drained = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=env, systemctl=prefix)
+    down = not box.healthy() and not box.unit_pids()
+    restored = box.service("restore", run_env=env, systemctl=prefix)
+    other = subprocess.run([*prefix, "restart", UNIT], env={**box.env, **env}, capture_output=True, text=True)
+    calls = log.read_text().splitlines()
+    # The advice before: `systemctl start|stop <unit>` only.
+    systemctl = os.path.realpath(shutil.which("systemctl", path=box.env["PATH"]))
+    (tmp_path / "sudoers").write_text(f"{getpass.getuser()} ALL=(root) NOPASSWD: {systemctl} stop {UNIT}, "
+                                      f"{systemctl} start {UNIT}\n")
+    stops = len(box.calls("stop"))
+    before = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=env, systemctl=prefix)
+    assert prefix == ["sudo", "-n", "systemctl"]
+    assert drained.returncode == 0 and down, drained.stderr
+    assert restored.returncode == 0 and box.healthy() and box.session() is None, restored.stderr
+    assert {c.split()[0] for c in calls[:-1]} == {"allowed"} and {c.split()[2] for c in calls[:-1]} == {
+        "show", "stop", "start"}, calls
+    assert other.returncode == 1 and "a password is required" in other.stderr and calls[-1].startswith("refused")
+    assert before.returncode == 1 and "sudo: a password is required" in before.stderr, before.stderr
+    assert len(box.calls("stop")) == stops and box.healthy(), "the old advice's drain touched the unit"
 
 
 def test_unset_or_unknown_unit_is_a_clear_error(box):
