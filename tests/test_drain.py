@@ -320,7 +320,8 @@ def test_stage_end_restores_after_the_last_planned_stage_only(box):
     assert box.healthy() and box.downtime()[-1]["reason"] == "extract_hidden_states failed (rc=3)"
 
 
-def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """What the stage wrapper calls when a GPU job of the run ends."""
     return subprocess.run(
         [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
@@ -360,48 +361,45 @@ def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
     assert ended.returncode == 0 and box.healthy()
 
 
-@pytest.mark.parametrize("layout", ["two clones", "two results folders of one checkout"])
-def test_runs_of_two_checkouts_share_the_units_session(box, layout):
-    """Two checkouts, or two `paths.results` of one checkout, drain the same unit: the
-    second joins the first's session (the unit was running before: it comes back), and
-    the first run's end does not start production under the second run's stage. Each
+def test_runs_of_two_checkouts_share_the_units_session(box):
+    """Three runs drain the same unit: two clones, and a second `paths.results` in the
+    first clone. Each later one joins the first's session (the unit was running before:
+    it comes back), and no run's end starts production under another run's stage. Each
     run's commands run in its own checkout."""
     box.start_unit()
-    if layout == "two clones":
-        checkouts = [box.root / name for name in ("clone-a", "clone-b")]
-        folders = [c / "results" / "service" for c in checkouts]
-    else:
-        checkouts = [box.root / "checkout"] * 2
-        folders = [box.root / "checkout" / name / "service" for name in ("results-a", "results-b")]
-    for checkout in checkouts:
-        checkout.mkdir(exist_ok=True)
-    first = box.live_run(["extract_hidden_states"], service_dir=folders[0])
-    second = box.live_run(["train_draft"], service_dir=folders[1])
-    first_drain = box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=first,
-                              cwd=checkouts[0])
-    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=second, cwd=checkouts[1])
+    clones = [box.root / name for name in ("clone-a", "clone-b", "clone-a")]
+    folders = [clones[0] / "results" / "service", clones[1] / "results" / "service",
+               clones[2] / "results-b" / "service"]
+    stages = ["extract_hidden_states", "train_draft", "evaluate_draft"]
+    for clone in clones:
+        clone.mkdir(exist_ok=True)
+    runs = [box.live_run([stage], service_dir=folder) for stage, folder in zip(stages, folders)]
+    drains = [box.service("drain", "--stage", stage, "--gpus", "8", run_env=run, cwd=clone)
+              for stage, run, clone in zip(stages, runs, clones)]
     session = box.session()
-    ended = stage_ended(box, first, "extract_hidden_states", 0, cwd=checkouts[0])
-    under_second = len(box.calls("start")) - 1     # starts after the box's own, while the second run's stage ran
-    last = stage_ended(box, second, "train_draft", 0, cwd=checkouts[1])
+    ends = [stage_ended(box, run, stage, 0, cwd=clone) for stage, run, clone in zip(stages, runs, clones)]
+    starts = box.calls("start")
+    # starts after the box's own, while another run's stage still ran (before the last end)
+    under_others = len(starts) - 1 - (1 if box.healthy() else 0)
     records = box.downtime()
     copies = [json.loads((f / "downtime.json").read_text()) if (f / "downtime.json").exists() else [] for f in folders]
-    box_row(box, scenario=f"two runs draining the same unit: {layout}",
-            fault_at="the second run's drain while the first's holds the unit",
+    box_row(box, scenario="runs of two clones, and of two results folders of one clone, draining the same unit",
+            fault_at="the later runs' drains while the first's holds the unit",
             foreign_killed=0,
-            notes=f"second run joined the session: {yes('joins its session' in result.stderr)}; unit started "
-                  f"under the second run's stage: {under_second} time(s); cycles: {len(records)}, in both results "
-                  f"folders: {yes(all(c == records for c in copies))}")
-    assert first_drain.returncode == 0, first_drain.stderr
-    assert result.returncode == 0 and "joins its session" in result.stderr, result.stderr
-    assert set(session["runs"]) == {first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]}
+            notes=f"later runs joined the session: {sum('joins its session' in d.stderr for d in drains[1:])}/2; "
+                  f"unit started under another run's stage: {under_others} time(s); cycles: {len(records)}, in all "
+                  f"3 results folders: {yes(all(c == records for c in copies))}")
+    assert all(d.returncode == 0 for d in drains), [d.stderr for d in drains]
+    assert all("joins its session" in d.stderr for d in drains[1:]), [d.stderr for d in drains]
+    assert set(session["runs"]) == {run["EAGLE3FLOW_RUN"] for run in runs}
     assert session["was_active"] is True and all(e["watchdog_pid"] for e in session["runs"].values())
-    assert ended.returncode == 0 and "stays down" in ended.stderr and "train_draft" in ended.stderr, ended.stderr
-    assert under_second == 0, "started under the second run's stage"
-    assert last.returncode == 0 and box.healthy()
+    for end, later in ((ends[0], "train_draft"), (ends[1], "evaluate_draft")):
+        assert end.returncode == 0 and "stays down" in end.stderr and later in end.stderr, end.stderr
+    assert ends[2].returncode == 0 and box.healthy()
+    assert under_others == 0 and len(starts) == 2, "started under another run's stage"
     [record] = records
-    assert record["run_ids"] == [first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]] and record["healthy"]
-    assert copies == [[record], [record]]   # each run's results folder has the cycle (the report reads it)
+    assert record["run_ids"] == [run["EAGLE3FLOW_RUN"] for run in runs] and record["healthy"]
+    assert copies == [[record]] * 3   # each run's results folder has the cycle (the report reads it)
 
 
 def test_restore_by_hand_from_anywhere_finds_the_session_and_waits_for_the_gpus(box, tmp_path):
@@ -542,52 +540,54 @@ def test_hanging_systemctl_stop_fails_the_drain_and_keeps_production_up(box):
     before = box.unit_pids()
     box.hang_systemctl("stop")
     with deadline(60, "a drain whose systemctl stop hangs"):
-        result = box.service("drain", "--stage", "train_draft", "--gpus", "8", stop_timeout_s=2)
+        result = box.service("drain", "--stage", "train_draft", "--gpus", "8", stop_timeout_s=1)
     box.hang_systemctl("stop", False)
     box_row(box, scenario="systemctl stop hangs (drain)", fault_at="the drain before the first GPU stage",
             foreign_killed=0,
             notes=f"drain rc={result.returncode}: said `systemctl stop` did not return: "
-                  f"{yes('did not return within 2 s' in result.stderr)}, did not stop: "
-                  f"{yes('did not stop within drain.stop_timeout_s=2' in result.stderr)}; the unit's processes "
+                  f"{yes('did not return within 1 s' in result.stderr)}, did not stop: "
+                  f"{yes('did not stop within drain.stop_timeout_s=1' in result.stderr)}; the unit's processes "
                   f"kept: {yes(box.unit_pids() == before)}")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "did not return within 2 s" in result.stderr, result.stderr
-    assert f"{UNIT} did not stop within drain.stop_timeout_s=2" in result.stderr, result.stderr
+    assert "did not return within 1 s" in result.stderr, result.stderr
+    assert f"{UNIT} did not stop within drain.stop_timeout_s=1" in result.stderr, result.stderr
     assert box.healthy() and box.unit_pids() == before and box.session() is None
     [record] = box.downtime()
     assert record["reason"] == "drain for train_draft failed" and record["healthy"], record
 
 
-@pytest.mark.parametrize("fault", ["fails", "hangs"])
-def test_watchdog_retries_while_nvidia_smi_fails_and_restores_once_it_answers(box, fault):
-    """nvidia-smi fails (or hangs) right when the run dies: the watchdog records it, does
-    not start the unit on GPUs nobody could check, and restores once nvidia-smi answers
-    again."""
+def test_watchdog_retries_while_nvidia_smi_fails_or_hangs_and_restores_once_it_answers(box):
+    """nvidia-smi fails right when the run dies, then hangs (a driver stuck after an Xid
+    error): the watchdog records each, keeps running, does not start the unit on GPUs
+    nobody could check, and restores once nvidia-smi answers again."""
     box.start_unit()
     run_env = box.live_run(["train_draft"])
     run = box.others[-1]
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env,
                        nvidia_smi_timeout_s=1).returncode == 0
     [watchdog] = box.watchdogs()
-    box.break_nvidia_smi() if fault == "fails" else box.hang_nvidia_smi()
+    box.break_nvidia_smi()
     run.kill()
     run.wait()
-    error = "Unknown Error" if fault == "fails" else "did not answer within 1 s"
-    failed = lambda: any(error in a["error"] for a in (box.session() or {}).get("restore_attempts", []))
-    wait_for(failed, 30, f"the watchdog to record that nvidia-smi {fault}")
+    recorded = lambda error: lambda: any(error in a["error"]  # noqa: E731
+                                         for a in (box.session() or {}).get("restore_attempts", []))
+    wait_for(recorded("Unknown Error"), 30, "the watchdog to record that nvidia-smi fails")
+    box.hang_nvidia_smi()
+    box.break_nvidia_smi(False)
+    wait_for(recorded("did not answer within 1 s"), 30, "the watchdog to record that nvidia-smi hangs")
     survived = alive(watchdog)
     starts_while_broken = len(box.calls("start")) - 1
-    box.break_nvidia_smi(False) if fault == "fails" else box.hang_nvidia_smi(False)
+    box.hang_nvidia_smi(False)
     wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
-    box_row(box, scenario=f"nvidia-smi {fault} while the watchdog restores",
-            fault_at="the watchdog's check after the run's Snakemake died",
+    box_row(box, scenario="nvidia-smi failing, then hanging, while the watchdog restores",
+            fault_at="the watchdog's checks after the run's Snakemake died",
             foreign_killed=0,
-            notes=f"watchdog alive through it: {yes(survived)}; unit started while nvidia-smi {fault}: "
+            notes=f"watchdog alive through both: {yes(survived)}; unit started while nvidia-smi failed or hung: "
                   f"{starts_while_broken} time(s); attempts recorded: {len(box.downtime()[-1]['restore_attempts'])}; "
                   f"restored once it answered: {yes(box.healthy())}")
     assert survived, (box.state_dir / "watchdog.log").read_text()
     assert starts_while_broken == 0, "the unit was started on GPUs nobody could check"
-    assert box.healthy() and box.downtime()[-1]["restore_attempts"]
+    assert box.healthy() and len(box.downtime()[-1]["restore_attempts"]) == 2
 
 
 def test_stage_wrapper_keeps_the_stage_status_when_the_restore_fails(box):
