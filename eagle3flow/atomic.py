@@ -4,12 +4,17 @@ The one home of atomic writes: every stage's outputs, manifests and markers go t
 :func:`replacing`. A crash (SIGKILL, node loss) mid-write leaves a hidden temporary
 sibling and the previous file untouched; the new content is on disk (fsynced) before it
 takes the final name, so a manifest never names data a power loss could still take back.
+A signal that ends the writer (SIGTERM's default action, SIGKILL) runs no cleanup, so
+the stages that write large files (shards, checkpoints) remove what dead writers of
+this host left in their folder when they start: :func:`sweep_stale_temporaries`.
 Torch-free, so the planner and the ops code may use it.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +24,48 @@ from pathlib import Path
 def temporary_sibling(path: Path) -> Path:
     """A hidden name next to ``path`` that no other process writes (hosts share caches)."""
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def _writer_gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists here (a live one, even another user's, may still write)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep_stale_temporaries(directory: str | os.PathLike) -> list[tuple[Path, int]]:
+    """Remove the temporary siblings (:func:`temporary_sibling`) in ``directory`` whose
+    writer was a process of this host that no longer exists: it was killed mid-write
+    (a shard or a checkpoint can be GBs, counted against the storage budget). Those of
+    live processes, and of other hosts sharing the folder, stay. Returns (path, bytes)
+    of each one removed."""
+    directory = Path(directory)
+    pattern = re.compile(r"\..+\.tmp-" + re.escape(socket.gethostname()) + r"-(\d+)")
+    removed = []
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        match = pattern.fullmatch(path.name)
+        if not match or not _writer_gone(int(match.group(1))):
+            continue
+        try:
+            if path.is_dir() and not path.is_symlink():
+                size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+                shutil.rmtree(path)
+            else:
+                size = path.stat().st_size
+                path.unlink()
+        except FileNotFoundError:   # another process swept it first
+            continue
+        removed.append((path, size))
+    return removed
+
+
+def sync_directory(path: str | os.PathLike) -> None:
+    """fsync a folder: a rename into it is on disk once this returns."""
+    _fsync(Path(path), directory=True)
 
 
 def _process_umask() -> int:

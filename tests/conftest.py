@@ -26,6 +26,7 @@ if WORKER and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) 
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
 
+from support import fault_rows
 from support.box import FakeBox, run_snakemake, snakemake_args, tiny_config
 from support.targets import make_random_llama
 from support.workflow import workflow_copy
@@ -40,6 +41,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # that they all inherit one; EAGLE3FLOW_TEST_REPORTS=tests rewrites the committed tables.
 REPORTS = Path(os.environ.setdefault("EAGLE3FLOW_TEST_REPORTS",
                                      tempfile.mkdtemp(prefix="eagle3flow-test-reports-"))).resolve()
+# The fault matrix's rows, one file each, from whichever worker's test drove the fault
+# (tests/support/fault_rows.py): a folder of this session only, never the reports folder
+# (that may be the checkout's tests/). The controller assembles them at the end.
+os.environ.setdefault(fault_rows.ROWS_ENV, tempfile.mkdtemp(prefix="eagle3flow-fault-rows-"))
 SESSION_START = pytest.StashKey[float]()
 # Each test group's seconds, every phase summed (on the controller: every worker's reports).
 GROUP_SECONDS: dict[str, float] = defaultdict(float)
@@ -229,9 +234,9 @@ def budget_findings(seconds: dict[str, float]) -> tuple[list[str], list[str]]:
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """CI's log shows each group's time against the budget, and the fault matrix when
-    tests/test_fault_matrix.py wrote it in this run (in a worker, under xdist: read back
-    from the file it writes)."""
+    """CI's log shows each group's time against the budget, and the fault matrix when a
+    test of this run recorded a row of it (assembled by pytest_sessionfinish, which runs
+    before this summary)."""
     lines, over = budget_findings(GROUP_SECONDS)
     if lines:
         terminalreporter.write_sep("=", "time per test group (every phase, summed over workers)")
@@ -248,6 +253,8 @@ def pytest_terminal_summary(terminalreporter, config):
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    # Every worker has ended: the rows of all of them are on disk.
+    fault_rows.assemble(REPORTS, Path(__file__).with_name("fault_matrix.json"))
     build = session.config.stash.get(BUILD_PROCESS, None)
     if build is not None and build.poll() is None:   # no test waited for it (deselected, or failed early)
         os.killpg(build.pid, signal.SIGKILL)

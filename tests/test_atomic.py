@@ -41,3 +41,27 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("killed mid-write")
     assert target.read_text() == atomic.json.dumps({"version": 1}, indent=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]
+
+
+def test_sweep_removes_only_what_dead_writers_of_this_host_left(tmp_path):
+    """A temporary file or folder of a writer that no longer exists goes; one of a live
+    writer (it is still writing), of another host sharing the folder, or any other
+    hidden file stays."""
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    gone_file = tmp_path / f".shard-00001.safetensors.tmp-{host}-{dead.pid}"
+    gone_file.write_bytes(b"x" * 10)
+    gone_dir = tmp_path / f".step-00000004.tmp-{host}-{dead.pid}"
+    gone_dir.mkdir()
+    (gone_dir / "state.pt").write_bytes(b"y" * 7)
+    kept = [tmp_path / f".shard-00002.safetensors.tmp-{host}-{os.getpid()}",
+            tmp_path / f".shard-00003.safetensors.tmp-another-host-{dead.pid}", tmp_path / ".hidden"]
+    for path in kept:
+        path.write_text("z")
+    removed = atomic.sweep_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([(gone_file, 10), (gone_dir, 7)])
+    assert sorted(tmp_path.iterdir()) == sorted(kept)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from support.fault_rows import record, yes
 from support.workflow import snakemake, workflow_copy
 
 # Each would split into several arguments or run a command if it reached the shell as is.
@@ -64,7 +65,17 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
     else:
         expected |= {"eagle3flow.data.regenerate", "eagle3flow.data.compare_answers", "eagle3flow.export.publish",
                      "eagle3flow.report.model_card"}
+    # What the shell would have split or run: a hostile value cut apart, a file it made.
+    cut = [arg for argv in commands for arg in argv
+           if "PWNED" in arg and not any(value in arg for value in HOSTILE_STRINGS)]
+    made = list(workdir.rglob("PWNED"))
+    record(scenario=f"config values with spaces and shell metacharacters ({profile})",
+           fault_at="paths.*, hub.*, evaluate.vllm_python, a chat-template kwarg: `snakemake -n -p` of every rule",
+           unit_healthy="not touched (dry run)", downtime="-", foreign_killed=0, recomputed=0, consistent="-",
+           notes=f"{len(commands)} shell commands, {len(modules)} stage modules; values cut apart: {len(cut)}; "
+                 f"files the values would have made: {len(made)}")
     assert expected <= modules, modules
+    assert cut == [] and made == [], (cut, made)
     for argv in commands:
         assert "" not in argv, f"a flag without its value: {argv}"
         for arg in argv:
@@ -94,6 +105,11 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
 def test_a_device_that_names_no_device_is_refused_naming_its_key(tmp_path, section):
     workdir, result = dry_run(tmp_path, "embedded", {section: {"device": "cuda; touch PWNED"}})
     output = result.stdout + result.stderr
+    record(scenario=f"a device with shell metacharacters ({section}.device: `cuda; touch PWNED`)",
+           fault_at="the schema check when the workflow is read", unit_healthy="not touched (refused before any job)",
+           downtime="-", foreign_killed=0, recomputed=0, consistent="-",
+           notes=f"snakemake rc={result.returncode}, refusal names {section}.device: "
+                 f"{yes(f'{section}.device' in output)}; files made: {len(list(workdir.rglob('PWNED')))}")
     assert result.returncode != 0, output[-4000:]
     assert "cuda; touch PWNED" in output and f"{section}.device" in output, output[-4000:]
     assert not list(workdir.rglob("PWNED"))
@@ -106,7 +122,14 @@ def test_a_results_path_with_a_space_works(tmp_path):
     (workdir / "spaces.json").write_text(json.dumps(config))
     result = snakemake(workdir, "--profile", "profiles/smollm2", "--cores", "1", "my results/prompts/builtin_prompts.jsonl",
                        "--configfile", "profiles/smollm2/workflow.yaml", "spaces.json", timeout=300)
+    out = workdir / "my results" / "prompts" / "builtin_prompts.jsonl"
+    prompts = out.read_text().splitlines() if out.exists() else []
+    log = workdir / "my logs" / "write_builtin_prompts.log"
+    record(scenario="paths with spaces, run for real (paths.results: `my results`, paths.logs: `my logs`)",
+           fault_at="a real job writing under both", unit_healthy="not touched (no GPU stage)", downtime="-",
+           foreign_killed=0, recomputed=0, consistent="-",
+           notes=f"snakemake rc={result.returncode}; its output has {len(prompts)}/4 prompts; its log in `my logs/`: "
+                 f"{yes(log.is_file())}")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    prompts = (workdir / "my results" / "prompts" / "builtin_prompts.jsonl").read_text().splitlines()
     assert len(prompts) == 4
-    assert (workdir / "my logs" / "write_builtin_prompts.log").is_file()
+    assert log.is_file()

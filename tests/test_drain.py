@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,9 +23,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, tiny_config
 from support.deadline import deadline
+from support.fault_rows import box_row, killed_by_a_signal, yes
 from support.processes import alive
 from support.workflow import REPO, start_snakemake
 
@@ -102,24 +105,36 @@ SECRETS = ("sk-live-1", "hf_live_2", "pw-live-3", "live-4")
 def test_secrets_on_gpu_holders_command_lines_are_never_written(box):
     """A GPU holder started with an API key, a token, a URL with a password and a
     password variable on its command line is named without them: in messages, in the
-    session and in the downtime record."""
+    session and in the downtime records, the host's and the run's copy under results/."""
     box.start_unit()
-    assert box.service("drain", "--stage", "train_draft", "--gpus", "2").returncode == 0
+    checkout = box.root / "checkout"
+    run_env = box.live_run(["train_draft"], service_dir=checkout / "results" / "service")
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "2", run_env=run_env).returncode == 0
     holder = box.hold_gpu(1, args=("--api-key", SECRETS[0], f"--hf-token={SECRETS[1]}",
                                    f"https://bob:{SECRETS[2]}@example.com/", f"DB_PASSWORD={SECRETS[3]}"))
-    refused = box.service("drain", "--stage", "train_draft", "--gpus", "2")
-    failed = box.service("restore", gpu_release_timeout_s=1)
+    refused = box.service("drain", "--stage", "train_draft", "--gpus", "2", run_env=run_env)
+    failed = box.service("restore", run_env=run_env, gpu_release_timeout_s=1)
     assert refused.returncode == 1 and failed.returncode == 1 and f"pid {holder.pid} " in failed.stderr
     session = (box.state_dir / "session.json").read_text()
     for text in (refused.stderr, failed.stderr, session):
         assert "--api-key *** --hf-token=*** https://bob:***@example.com/ DB_PASSWORD=***" in text, text
+    killed = killed_by_a_signal([holder])
     holder.kill()
     holder.wait()
-    assert box.service("restore").returncode == 0
-    written = [refused.stderr, failed.stderr, session, (box.state_dir / "downtime.json").read_text()]
+    assert box.service("restore", run_env=run_env).returncode == 0
     assert box.downtime()[-1]["restore_attempts"]
-    assert not [secret for secret in SECRETS for text in written if secret in text]
-
+    # What grep -r would find: every file the drain wrote (the unit's folder, the run's
+    # results/) and what the commands printed (a rule's log gets it).
+    written = [p for folder in (checkout, box.state_root) for p in folder.rglob("*") if p.is_file()]
+    assert checkout / "results" / "service" / "downtime.json" in written
+    leaks = [f"{p}: {secret}" for p in written for secret in SECRETS if secret.encode() in p.read_bytes()]
+    leaks += [f"output: {secret}" for secret in SECRETS for text in (refused.stderr, failed.stderr) if secret in text]
+    box_row(box, scenario="secrets on a GPU holder's command line (--api-key, --hf-token=, https://user:pass@, "
+                          "*_PASSWORD=)", fault_at="a holder on the stage's GPU: a drain refused, a restore waiting",
+            foreign_killed=killed,
+            notes=f"secrets found by grep -r in the {len(written)} file(s) under results/ and the unit's folder, and "
+                  f"in the commands' output: {len(leaks)}; the holder named with its arguments masked")
+    assert leaks == []
 
 def test_drain_checks_the_gpus_an_inherited_cuda_visible_devices_names(box):
     """The run inherits CUDA_VISIBLE_DEVICES=4,5,6,7: the drain frees those GPUs for a
@@ -185,6 +200,7 @@ def test_opt_in_kill_spares_jobs_of_any_run_and_other_pid_namespaces(box):
     other_run = box.hold_gpu(2, env={"EAGLE3FLOW_RUN": "another-checkouts-run"})
     result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
     assert result.returncode == 1 and "a job of eagle3flow run another-checkouts-run" in result.stderr, result.stderr
+    killed = killed_by_a_signal([other_run])
     assert other_run.poll() is None, "a job of another run was killed"
     other_run.kill()
     other_run.wait()
@@ -194,8 +210,16 @@ def test_opt_in_kill_spares_jobs_of_any_run_and_other_pid_namespaces(box):
         (box.gpus / "3" / str(contained)).write_text("1200")
         result = box.service("drain", "--stage", "train_draft", "--gpus", "8", kill_foreign_gpu_processes=True)
         assert result.returncode == 1 and "another pid namespace" in result.stderr, result.stderr
-        assert alive(contained), "a process of another pid namespace was killed"
-    assert not box.calls("stop") and box.healthy()
+        killed += 0 if alive(contained) else 1
+    stops = len(box.calls("stop"))
+    box_row(box, scenario="another run's job on a GPU, with kill_foreign_gpu_processes: true",
+            fault_at="the drain before the stage (and a process of another pid namespace"
+                     + (")" if contained is not None else ": not possible on this host)"),
+            foreign_killed=killed,
+            notes=f"drain refused naming it as a job of run another-checkouts-run; systemctl stop called {stops} "
+                  f"time(s)")
+    assert contained is None or alive(contained), "a process of another pid namespace was killed"
+    assert not stops and box.healthy()
 
 
 def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
@@ -212,6 +236,55 @@ def test_unit_that_will_not_stop_fails_the_drain(tmp_path):
         assert not (box.state_dir / "session.json").exists()
     finally:
         box.close()
+
+
+SUDO = Path(__file__).resolve().parent / "fixtures" / "sudo"
+DOC = REPO / "docs" / "service.md"
+
+
+def documented_sudo(box: FakeBox, user: str) -> tuple[list[str], str]:
+    """docs/service.md's advice for a user who may not stop units: its `drain.systemctl`
+    (in the set-up's YAML) and its sudoers lines, for this box's unit, this user and the
+    stand-in systemctl, as the operator fills them in."""
+    text = DOC.read_text()
+    [prefix] = {tuple(yaml.safe_load(m)) for m in re.findall(r"# (\[sudo[^\]]*\])", text)}
+    [block] = re.findall(r"```sudoers\n(.*?)```", text, re.S)
+    sudoers = (block.replace("vllm-kimi-k25-int4.service", UNIT).replace("alice ", f"{user} ")
+               .replace("/usr/bin/systemctl", os.path.realpath(shutil.which("systemctl", path=box.env["PATH"]))))
+    return list(prefix), sudoers
+
+
+def test_drain_and_restore_through_sudo_allowed_only_what_the_doc_lists(box, tmp_path):
+    """`systemctl: [sudo, -n, systemctl]` with exactly docs/service.md's sudoers lines: a
+    drain and a restore work through a sudo that refuses every other command line; the
+    advice before (start and stop only) failed the drain before it touched the unit."""
+    import getpass
+
+    prefix, sudoers = documented_sudo(box, getpass.getuser())
+    log = tmp_path / "sudo.log"
+    env = {"PATH": f"{SUDO}{os.pathsep}{box.env['PATH']}", "FAKE_SUDOERS": str(tmp_path / "sudoers"),
+           "FAKE_SUDO_LOG": str(log)}
+    (tmp_path / "sudoers").write_text(sudoers)
+    box.start_unit()
+    drained = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=env, systemctl=prefix)
+    down = not box.healthy() and not box.unit_pids()
+    restored = box.service("restore", run_env=env, systemctl=prefix)
+    other = subprocess.run([*prefix, "restart", UNIT], env={**box.env, **env}, capture_output=True, text=True)
+    calls = log.read_text().splitlines()
+    # The advice before: `systemctl start|stop <unit>` only.
+    systemctl = os.path.realpath(shutil.which("systemctl", path=box.env["PATH"]))
+    (tmp_path / "sudoers").write_text(f"{getpass.getuser()} ALL=(root) NOPASSWD: {systemctl} stop {UNIT}, "
+                                      f"{systemctl} start {UNIT}\n")
+    stops = len(box.calls("stop"))
+    before = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=env, systemctl=prefix)
+    assert prefix == ["sudo", "-n", "systemctl"]
+    assert drained.returncode == 0 and down, drained.stderr
+    assert restored.returncode == 0 and box.healthy() and box.session() is None, restored.stderr
+    assert {c.split()[0] for c in calls[:-1]} == {"allowed"} and {c.split()[2] for c in calls[:-1]} == {
+        "show", "stop", "start"}, calls
+    assert other.returncode == 1 and "a password is required" in other.stderr and calls[-1].startswith("refused")
+    assert before.returncode == 1 and "sudo: a password is required" in before.stderr, before.stderr
+    assert len(box.calls("stop")) == stops and box.healthy(), "the old advice's drain touched the unit"
 
 
 def test_unset_or_unknown_unit_is_a_clear_error(box):
@@ -247,12 +320,18 @@ def test_stage_end_restores_after_the_last_planned_stage_only(box):
     assert box.healthy() and box.downtime()[-1]["reason"] == "extract_hidden_states failed (rc=3)"
 
 
-def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int) -> subprocess.CompletedProcess:
+def stage_ended(box: FakeBox, run_env: dict, stage: str, rc: int,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """What the stage wrapper calls when a GPU job of the run ends."""
     return subprocess.run(
         [sys.executable, "-m", "eagle3flow.ops.drain.service", "stage-ended", "--state-dir", str(box.state_dir),
          "--stage", stage, "--exit-code", str(rc)], env={**box.env, **run_env}, capture_output=True,
-        text=True, timeout=60)
+        text=True, timeout=60, cwd=cwd)
+
+
+def stage_gpu_holders(box: FakeBox) -> list[int]:
+    """Live processes holding a fake GPU now (the unit's worker among them, if it runs)."""
+    return sorted({int(p.name) for p in box.gpus.glob("*/*") if alive(int(p.name))})
 
 
 def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
@@ -264,58 +343,88 @@ def test_drain_that_joins_stops_the_unit_started_again_between_stages(box):
     assert "stays down for train_draft" in stage_ended(box, run_env, "extract_hidden_states", 0).stderr
     box.start_unit()
     result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env)
+    holders = stage_gpu_holders(box)          # what training would load next to
+    ended = stage_ended(box, run_env, "train_draft", 0)
+    external = (box.session() or {}).get("external_starts") or box.downtime()[-1]["external_starts"]
+    box_row(box, scenario="the unit started by someone between two GPU stages of a run",
+            fault_at="between extract_hidden_states and train_draft (unit active again)",
+            foreign_killed=0,
+            notes=f"training's drain rc={result.returncode}, said '!!! ... was started again while drained': "
+                  f"{yes('!!! ' + UNIT + ' was started again while drained' in result.stderr)}; GPU holders when "
+                  f"training could start: {len(holders)}; external starts recorded: {len(external)}")
     assert result.returncode == 0, result.stderr
     assert "was started again while drained" in result.stderr, result.stderr
-    assert not box.healthy() and not box.unit_pids()
-    assert not [p for p in box.gpus.glob("*/*") if alive(int(p.name))], "the GPUs are still held"
-    [started] = box.session()["external_starts"]
+    assert not holders, "the GPUs are still held"
+    [started] = external
     assert started["stage"] == "train_draft" and started["state"] == "active"
     assert "registered" in result.stderr
-    assert stage_ended(box, run_env, "train_draft", 0).returncode == 0 and box.healthy()
+    assert ended.returncode == 0 and box.healthy()
 
 
 def test_runs_of_two_checkouts_share_the_units_session(box):
-    """Two checkouts (two results folders) drain the same unit: the second joins the
-    first's session (the unit was running before: it comes back), and the first run's
-    end does not start production under the second run's stage."""
+    """Three runs drain the same unit: two clones, and a second `paths.results` in the
+    first clone. Each later one joins the first's session (the unit was running before:
+    it comes back), and no run's end starts production under another run's stage. Each
+    run's commands run in its own checkout."""
     box.start_unit()
-    folders = [box.root / name / "results" / "service" for name in ("checkout-a", "checkout-b")]
-    first = box.live_run(["extract_hidden_states"], service_dir=folders[0])
-    second = box.live_run(["train_draft"], service_dir=folders[1])
-    assert box.service("drain", "--stage", "extract_hidden_states", "--gpus", "8", run_env=first).returncode == 0
-    result = box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=second)
-    assert result.returncode == 0 and "joins its session" in result.stderr, result.stderr
+    clones = [box.root / name for name in ("clone-a", "clone-b", "clone-a")]
+    folders = [clones[0] / "results" / "service", clones[1] / "results" / "service",
+               clones[2] / "results-b" / "service"]
+    stages = ["extract_hidden_states", "train_draft", "evaluate_draft"]
+    for clone in clones:
+        clone.mkdir(exist_ok=True)
+    runs = [box.live_run([stage], service_dir=folder) for stage, folder in zip(stages, folders)]
+    drains = [box.service("drain", "--stage", stage, "--gpus", "8", run_env=run, cwd=clone)
+              for stage, run, clone in zip(stages, runs, clones)]
     session = box.session()
-    assert set(session["runs"]) == {first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]}
-    assert session["was_active"] is True and len(box.watchdogs()) == 2
-
-    ended = stage_ended(box, first, "extract_hidden_states", 0)
-    assert ended.returncode == 0 and "stays down" in ended.stderr and "train_draft" in ended.stderr, ended.stderr
-    assert not box.healthy() and len(box.calls("start")) == 1, "started under the second run's stage"
-    assert stage_ended(box, second, "train_draft", 0).returncode == 0 and box.healthy()
-    [record] = box.downtime()
-    assert record["run_ids"] == [first["EAGLE3FLOW_RUN"], second["EAGLE3FLOW_RUN"]] and record["healthy"]
-    for folder in folders:   # each run's results folder has the cycle (the report reads it)
-        assert json.loads((folder / "downtime.json").read_text()) == [record]
+    ends = [stage_ended(box, run, stage, 0, cwd=clone) for stage, run, clone in zip(stages, runs, clones)]
+    starts = box.calls("start")
+    # starts after the box's own, while another run's stage still ran (before the last end)
+    under_others = len(starts) - 1 - (1 if box.healthy() else 0)
+    records = box.downtime()
+    copies = [json.loads((f / "downtime.json").read_text()) if (f / "downtime.json").exists() else [] for f in folders]
+    box_row(box, scenario="runs of two clones, and of two results folders of one clone, draining the same unit",
+            fault_at="the later runs' drains while the first's holds the unit",
+            foreign_killed=0,
+            notes=f"later runs joined the session: {sum('joins its session' in d.stderr for d in drains[1:])}/2; "
+                  f"unit started under another run's stage: {under_others} time(s); cycles: {len(records)}, in all "
+                  f"3 results folders: {yes(all(c == records for c in copies))}")
+    assert all(d.returncode == 0 for d in drains), [d.stderr for d in drains]
+    assert all("joins its session" in d.stderr for d in drains[1:]), [d.stderr for d in drains]
+    assert set(session["runs"]) == {run["EAGLE3FLOW_RUN"] for run in runs}
+    assert session["was_active"] is True and all(e["watchdog_pid"] for e in session["runs"].values())
+    for end, later in ((ends[0], "train_draft"), (ends[1], "evaluate_draft")):
+        assert end.returncode == 0 and "stays down" in end.stderr and later in end.stderr, end.stderr
+    assert ends[2].returncode == 0 and box.healthy()
+    assert under_others == 0 and len(starts) == 2, "started under another run's stage"
+    [record] = records
+    assert record["run_ids"] == [run["EAGLE3FLOW_RUN"] for run in runs] and record["healthy"]
+    assert copies == [[record]] * 3   # each run's results folder has the cycle (the report reads it)
 
 
 def test_restore_by_hand_from_anywhere_finds_the_session_and_waits_for_the_gpus(box, tmp_path):
-    """The operator's restore --config, run from another directory: it finds the unit's
-    session (not one under its working directory) and does not start the unit while a
-    process still holds a GPU."""
+    """The operator's restore --config, run from another directory while a training job
+    still holds GPU 0: it finds the unit's session (not one under its working
+    directory) and does not start the unit until the job has released the GPU."""
     box.start_unit()
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
     config = tmp_path / "workflow.yaml"
     config.write_text(json.dumps({"paths": {"results": "results"}, "drain": box.settings(gpu_release_timeout_s=30)}))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    holder = box.hold_gpu(3, seconds=3)
+    job = box.hold_gpu(0, seconds=3, env={"EAGLE3FLOW_RUN": "a-run-whose-training-ends"})
     with deadline(90, "a restore by hand"):
         result = subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", "restore",
                                  "--config", str(REPO / "config.yaml"), "--config", str(config)],
                                 cwd=elsewhere, env=box.env, capture_output=True, text=True)
+    busy_starts = [s for s in box.starts() if s["gpu_holders"]]
+    box_row(box, scenario="restore by hand from another directory while a job holds a GPU",
+            fault_at="restore --config ... from another cwd, a training job on GPU 0 for 3 s",
+            foreign_killed=killed_by_a_signal([job]),
+            notes=f"restore rc={result.returncode}, found the unit's session: {yes(box.downtime())}; unit started "
+                  f"on busy GPUs {len(busy_starts)} time(s); the job ended rc={job.poll()} before the start")
     assert result.returncode == 0, result.stderr
-    assert holder.poll() is not None and box.starts()[-1]["gpu_holders"] == [], box.starts()
+    assert job.poll() == 0 and box.starts()[-1]["gpu_holders"] == [] and not busy_starts, box.starts()
     assert box.healthy() and box.session() is None
     [record] = box.downtime()
     assert record["stages"] == ["train_draft"] and record["healthy"]
@@ -387,40 +496,98 @@ def restore_command(box: FakeBox) -> str:
     return f"python -m eagle3flow.ops.drain.service restore --state-dir {box.state_dir}"
 
 
+def named_command(output: str) -> list[str]:
+    """The command a `!!!` message says to run (the line after "!!!   ")."""
+    [line] = [l for l in output.splitlines() if l.startswith("!!!   ")]
+    return line.removeprefix("!!!   ").split()
+
+
 def test_hanging_systemctl_start_is_a_recorded_attempt_naming_the_command(box):
     """systemd does not answer `systemctl start`: the restore records the attempt, keeps
-    the session and names the command, instead of dying with no trace."""
+    the session and names the command, instead of dying with no trace; once systemd
+    answers, that one command brings the unit back."""
     box.start_unit()
     assert box.service("drain", "--stage", "train_draft", "--gpus", "8").returncode == 0
     box.hang_systemctl("start")
     with deadline(60, "a restore whose systemctl start hangs"):
         result = box.service("restore", health_timeout_s=2)
+    kept = box.session()
+    box.hang_systemctl("start", False)
+    command = named_command(result.stderr)
+    # as the operator runs it: `python` is the workflow's environment's
+    again = subprocess.run([sys.executable, *command[1:]], env=box.env, capture_output=True, text=True,
+                           timeout=120, cwd="/")
+    box_row(box, scenario="systemctl start hangs (restore)", fault_at="the restore after the last GPU stage",
+            foreign_killed=0,
+            unit_healthy=f"kept drained (session kept: {yes(kept)}, `!!!` names `{' '.join(command[:4])} ...`); "
+                         f"then {yes(box.healthy())} via that command",
+            consistent=f"session kept with {len((kept or {}).get('restore_attempts', []))} recorded attempt(s), then "
+                       + ("closed" if box.session() is None else "STILL OPEN"),
+            notes=f"restore rc={result.returncode}, Traceback: {yes('Traceback' in result.stderr)}; the named command "
+                  f"rc={again.returncode}")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"!!!   {restore_command(box)}" in result.stderr, result.stderr
-    [attempt] = box.session()["restore_attempts"]
+    [attempt] = kept["restore_attempts"]
     assert "did not return within 2 s" in attempt["error"], attempt
-    box.hang_systemctl("start", False)
-    assert box.service("restore").returncode == 0 and box.healthy()
+    assert again.returncode == 0 and box.healthy() and box.session() is None, again.stderr
 
 
-def test_watchdog_retries_while_nvidia_smi_fails_and_restores_once_it_answers(box):
-    """nvidia-smi fails right when the run dies: the watchdog records it, does not start
-    the unit on GPUs nobody could check, and restores once nvidia-smi answers again."""
+def test_hanging_systemctl_stop_fails_the_drain_and_keeps_production_up(box):
+    """systemd does not answer `systemctl stop`: the drain gives up after
+    drain.stop_timeout_s (the unit never stopped), brings it back (here: it still runs)
+    and fails, saying why; no stage runs and nothing is left drained."""
+    box.start_unit()
+    before = box.unit_pids()
+    box.hang_systemctl("stop")
+    with deadline(60, "a drain whose systemctl stop hangs"):
+        result = box.service("drain", "--stage", "train_draft", "--gpus", "8", stop_timeout_s=1)
+    box.hang_systemctl("stop", False)
+    box_row(box, scenario="systemctl stop hangs (drain)", fault_at="the drain before the first GPU stage",
+            foreign_killed=0,
+            notes=f"drain rc={result.returncode}: said `systemctl stop` did not return: "
+                  f"{yes('did not return within 1 s' in result.stderr)}, did not stop: "
+                  f"{yes('did not stop within drain.stop_timeout_s=1' in result.stderr)}; the unit's processes "
+                  f"kept: {yes(box.unit_pids() == before)}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "did not return within 1 s" in result.stderr, result.stderr
+    assert f"{UNIT} did not stop within drain.stop_timeout_s=1" in result.stderr, result.stderr
+    assert box.healthy() and box.unit_pids() == before and box.session() is None
+    [record] = box.downtime()
+    assert record["reason"] == "drain for train_draft failed" and record["healthy"], record
+
+
+def test_watchdog_retries_while_nvidia_smi_fails_or_hangs_and_restores_once_it_answers(box):
+    """nvidia-smi fails right when the run dies, then hangs (a driver stuck after an Xid
+    error): the watchdog records each, keeps running, does not start the unit on GPUs
+    nobody could check, and restores once nvidia-smi answers again."""
     box.start_unit()
     run_env = box.live_run(["train_draft"])
     run = box.others[-1]
-    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env).returncode == 0
+    assert box.service("drain", "--stage", "train_draft", "--gpus", "8", run_env=run_env,
+                       nvidia_smi_timeout_s=1).returncode == 0
     [watchdog] = box.watchdogs()
     box.break_nvidia_smi()
     run.kill()
     run.wait()
-    failed = lambda: any("Unknown Error" in a["error"] for a in (box.session() or {}).get("restore_attempts", []))
-    wait_for(failed, 30, "the watchdog to record the failing nvidia-smi")
-    assert alive(watchdog), (box.state_dir / "watchdog.log").read_text()
-    assert len(box.calls("start")) == 1, "the unit was started on GPUs nobody could check"
+    recorded = lambda error: lambda: any(error in a["error"]  # noqa: E731
+                                         for a in (box.session() or {}).get("restore_attempts", []))
+    wait_for(recorded("Unknown Error"), 30, "the watchdog to record that nvidia-smi fails")
+    box.hang_nvidia_smi()
     box.break_nvidia_smi(False)
+    wait_for(recorded("did not answer within 1 s"), 30, "the watchdog to record that nvidia-smi hangs")
+    survived = alive(watchdog)
+    starts_while_broken = len(box.calls("start")) - 1
+    box.hang_nvidia_smi(False)
     wait_for(lambda: box.downtime(), 60, "the watchdog's restore")
-    assert box.healthy() and box.downtime()[-1]["restore_attempts"]
+    box_row(box, scenario="nvidia-smi failing, then hanging, while the watchdog restores",
+            fault_at="the watchdog's checks after the run's Snakemake died",
+            foreign_killed=0,
+            notes=f"watchdog alive through both: {yes(survived)}; unit started while nvidia-smi failed or hung: "
+                  f"{starts_while_broken} time(s); attempts recorded: {len(box.downtime()[-1]['restore_attempts'])}; "
+                  f"restored once it answered: {yes(box.healthy())}")
+    assert survived, (box.state_dir / "watchdog.log").read_text()
+    assert starts_while_broken == 0, "the unit was started on GPUs nobody could check"
+    assert box.healthy() and len(box.downtime()[-1]["restore_attempts"]) == 2
 
 
 def test_stage_wrapper_keeps_the_stage_status_when_the_restore_fails(box):

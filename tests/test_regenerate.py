@@ -25,6 +25,7 @@ from eagle3flow.data.regenerate import ResponseCache, assistant_message, main, r
 from eagle3flow.serving.vllm_server import SERVED_NAME, resolve_serve_dtype, serve_target
 from support.builders import TOOL_ROW, TOOLS
 from support.deadline import deadline
+from support.fault_rows import record, yes
 from support.targets import make_chat_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -575,8 +576,17 @@ def test_credentials_in_base_url_reach_the_server_and_no_command_line_log_or_rec
     expected = "Basic " + base64.b64encode(f"eagle:{secret}".encode()).decode()
     assert server.requests and set(server.authorizations) == {expected}
     assert len(read_rows(workdir / "results" / "regenerate" / "responses.jsonl")) == 3
-    for result in (regenerated, dry):
-        assert secret not in result.stdout + result.stderr
     written = [p for folder in ("results", "logs", ".snakemake") for p in (workdir / folder).rglob("*") if p.is_file()]
+    leaks = [str(p) for p in written if secret.encode() in p.read_bytes()]
+    printed = [name for name, result in (("the run", regenerated), ("a dry run of all", dry))
+               if secret in result.stdout + result.stderr]
+    record(scenario="a URL with user:password (regenerate.base_url)",
+           fault_at="a real regeneration job, then a dry run -p of every rule (the report's among them)",
+           unit_healthy="not touched (no GPU stage)", downtime="-", foreign_killed=0, recomputed=0,
+           consistent="-",
+           notes=f"secrets found by grep -r in the {len(written)} file(s) under results/, logs/, .snakemake/: "
+                 f"{len(leaks)}; in Snakemake's output (-p): {len(printed)}; the server got user:password: "
+                 f"{yes(set(server.authorizations) == {expected})}")
+    assert printed == []
     assert any(p.parts[-3:-1] == (".snakemake", "log") for p in written), "Snakemake's log is among them"
-    assert [p for p in written if secret.encode() in p.read_bytes()] == []
+    assert leaks == []

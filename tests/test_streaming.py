@@ -31,7 +31,9 @@ from eagle3flow.train.config import TRAIN_DEFAULTS
 from eagle3flow.train.launch import trainer_command
 from support.box import FakeBox
 from support.builders import make_hidden_states, make_vocab_map
-from support.workflow import embedded_args, embedded_config, kill_when, measured_peak, snakemake, start_snakemake
+from support.fault_rows import record, yes
+from support.workflow import (embedded_args, embedded_config, file_identity, kill_when, measured_peak, snakemake,
+                              start_snakemake)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,8 +89,31 @@ def two_parts(random_llama_target, tmp_path_factory):
     return parts, vocab, stats
 
 
+# Link 0 in its own process, killed right after its consumed marker is on disk, before it
+# deletes its partition (SIGKILL, a power loss): the marker's write is held there.
+LINK_KILLED_AFTER_ITS_MARKER = """
+import json, sys, time
+from pathlib import Path
+from eagle3flow.ops import streaming
+a = json.loads(sys.argv[1])
+write_json = streaming.write_json
+def marker_then_hold(path, obj, *args, **kwargs):
+    write_json(path, obj, *args, **kwargs)
+    if Path(path).name.startswith("consumed-"):
+        print("marker written", flush=True)
+        time.sleep(300)
+streaming.write_json = marker_then_hold
+streaming.train_link(0, streaming.Chain(**a["chain"]), Path(a["manifest"]), None, None, Path(a["stats"]),
+                     Path(a["vocab"]), Path(a["target"]), Path(a["cache"]), Path(a["out"]), a["cfg"],
+                     Path(a["marker"]), a["launch"])
+"""
+
+
 def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_parts, random_llama_target,
                                                                         tmp_path, capfd):
+    """Link 0 is killed between its marker and its deletions: the marker makes it no job
+    of any later run, so link 1's job deletes what it left (partition 0's shards), starts
+    from link 0's checkpoint and consumes its own partition."""
     parts, vocab, stats = two_parts
     for k, part in enumerate(parts):   # consumed below: work on copies
         shutil.copytree(part.parent, tmp_path / f"part{k}")
@@ -102,14 +127,36 @@ def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_par
     cache, out = tmp_path / "cache", tmp_path / "out"
     launch = trainer_command({**TRAIN_DEFAULTS, **cfg}, sys.executable)
     markers = [tmp_path / "streaming" / streaming.consumed_name(j) for j in range(2)]
-    first = streaming.train_link(0, chain, manifests[0], None, None, stats, vocab, random_llama_target,
-                                 cache, out / "link-0", cfg, markers[0], launch)
-    assert first["step"] > 2 and Path(first["checkpoint"], "state.pt").is_file()
-    assert not list((tmp_path / "part0" / "shards").iterdir()), "consumed shards are deleted"
+    link0 = subprocess.Popen([sys.executable, "-c", LINK_KILLED_AFTER_ITS_MARKER, json.dumps({
+        "chain": {"partitions": 2, "epochs": 1, "in_flight": 1}, "manifest": str(manifests[0]), "stats": str(stats),
+        "vocab": str(vocab), "target": str(random_llama_target), "cache": str(cache), "out": str(out / "link-0"),
+        "cfg": cfg, "marker": str(markers[0]), "launch": launch})], stdout=subprocess.PIPE, text=True)
+    try:
+        assert link0.stdout.readline().strip() == "marker written", "link 0 ended before its marker"
+    finally:
+        link0.kill()
+        link0.wait()
+    first = json.loads(markers[0].read_text())
+    left = [p for p in (tmp_path / "part0" / "shards").iterdir()]
+    checkpoint0 = file_identity([Path(first["checkpoint"], "state.pt")])
+    assert first["step"] > 2 and checkpoint0 and left, "the crash did not land between marker and deletion"
+    capfd.readouterr()
+
     second = streaming.train_link(1, chain, manifests[1], None, markers[0], stats, vocab, random_llama_target,
                                   cache, out / "final", cfg, markers[1], launch, previous_out_dir=out / "link-0")
     log = capfd.readouterr().err
-    assert f"train: starting from {first['checkpoint']} (step {first['step']}" in log
+    still = [p for p in (tmp_path / "part0" / "shards").iterdir()]
+    from_link0 = f"train: starting from {first['checkpoint']} (step {first['step']}" in log
+    record(scenario="a crash between a streaming link's consumed marker and its deletions",
+           fault_at=f"link 0 SIGKILLed after consumed-0.json, {len(left)} file(s) of partition 0 on disk",
+           unit_healthy="not drained in this test (streaming with drain, killed mid-chain: its own row)",
+           downtime="-", foreign_killed=0,
+           recomputed=0 if from_link0 else 1,
+           consistent=f"partition 0's files left after link 1's job: {len(still)}",
+           notes=f"link 1 started from link 0's checkpoint (step {first['step']}): {yes(from_link0)}; said so: "
+                 f"{yes('killed after its marker' in log)}")
+    assert still == [], "the killed link's partition leaks: nothing deletes it"
+    assert from_link0, log
     assert second["step"] > first["step"] and second["tokens_done"] == stats_tokens(stats)
     # One history of the chain, the LR schedule over all of it (decayed to min_lr_ratio).
     rows = [json.loads(line) for line in (out / "final" / "metrics.jsonl").read_text().splitlines()]
@@ -118,6 +165,7 @@ def test_link_starts_from_previous_checkpoint_and_consumes_its_partition(two_par
     assert max(lrs) == pytest.approx(3e-3, rel=0.05) and lrs[-1] < 0.5 * 3e-3
     assert lrs[first["step"]] <= lrs[first["step"] - 1], "the schedule goes on, no new warmup"
     assert not Path(first["run_dir"]).exists() and not (out / "link-0").exists(), "previous link pruned"
+    assert not list((tmp_path / "part1" / "shards").iterdir()), "consumed shards are deleted"
     assert json.loads(markers[1].read_text())["manifest"]["num_tokens"] == json.loads(
         manifests[1].read_text())["num_tokens"]
     # Killed after training, before the job ended: the rerun trains nothing, needs no shard.

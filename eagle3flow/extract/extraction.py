@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from eagle3flow.device import resolve_device
-from eagle3flow.atomic import write_json
+from eagle3flow.atomic import sweep_stale_temporaries, write_json
 from eagle3flow.extract import shards
 from eagle3flow.extract.cache import (WEIGHT_SUFFIXES, cached_entries, cached_sha256, fingerprint,
                                       shard_sample_ids, target_weights_fingerprint, weight_files)
@@ -205,6 +205,12 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     key = fingerprint(inputs)
     shard_dir = cache_root / key
     shard_dir.mkdir(parents=True, exist_ok=True)
+    # A shard whose writer was killed (SIGTERM mid-write: the default action runs no
+    # cleanup) left its temporary file: gone before anything is counted or written.
+    swept = sweep_stale_temporaries(shard_dir)
+    if swept:
+        log(f"removed {len(swept)} unfinished shard file(s) of killed writers "
+            f"({sum(size for _, size in swept) / 1e6:,.1f} MB): {', '.join(p.name for p, _ in swept)}")
     write_json(shard_dir / "fingerprint.json", {"fingerprint": key, **inputs})
     entries = cached_entries(shard_dir, plan)
     extraction = Extraction(

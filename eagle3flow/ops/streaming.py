@@ -25,7 +25,11 @@ job killed anywhere in it is simply rerun:
 2. write ``consumed-j.json`` once the final checkpoint is on disk (the chain's state:
    Snakemake never asks for a consumed link's extraction again);
 3. delete the link's shards, then the previous link's run directory (its final
-   checkpoint is no longer needed: this link's is).
+   checkpoint is no longer needed: this link's is). A job killed between 2 and 3 is
+   never rerun (its marker is on disk, so the link is no job of any later run): the
+   next link's job deletes what it left first (:func:`finish_consuming`, idempotent),
+   before the next extraction of that partition can start (it waits for a later
+   link's marker).
 
 Everything here but :func:`train_link` is cheap (no torch): the plan and the
 Snakefile call it when the workflow is read.
@@ -211,6 +215,12 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         before = read_json(previous)
         if not before or "checkpoint" not in before:
             raise ValueError(f"{previous}: not a consumed-link marker (no 'checkpoint')")
+        # The previous link's job may have been killed after its marker, before its
+        # deletions: nothing would delete its partition's shards then.
+        freed = finish_consuming(before, cache_root)
+        if freed:
+            log(f"link {link}'s job was killed after its marker: deleted what it left ({freed / 1e6:,.1f} MB: "
+                "its partition's shards, the link before's run)")
         init_from = before["checkpoint"]
         _keep_only(Path(init_from))
     split = read_json(stats) or {}
@@ -252,11 +262,22 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         # The part manifest itself (a temp() file, gone after this job): the record of
         # what was extracted, for results/hidden_states/train/manifest.json.
         "manifest_path": str(train_manifest), "manifest": manifest,
+        # What consuming it deletes besides the shards (finish_consuming redoes it).
+        "init_from": init_from, "previous_out_dir": str(previous_out_dir) if previous_out_dir else None,
     }
     write_json(marker, state)
+    freed = finish_consuming(state, cache_root)
+    log(f"link {link + 1}/{chain.links} consumed in {time.time() - t0:.0f}s: step {state['step']}, "
+        f"{len(manifest['shards'])} shards deleted, {freed / 1e6:,.1f} MB freed -> {marker}")
+    return state
 
+
+def finish_consuming(state: dict, cache_root: Path) -> int:
+    """Delete what a consumed link (its marker's ``state``) needs no more: its partition's
+    shards, the previous link's run directory and out dir. Idempotent; returns the
+    bytes freed (0 when it was all done already)."""
     freed = 0
-    for path in part_files(manifest):
+    for path in part_files({"shard_dir": state["shard_dir"], "shards": state["shards"]}):
         try:
             freed += path.stat().st_size
             path.unlink()
@@ -264,17 +285,18 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
             pass
     # The previous link's run (and its intermediate outputs): this link's final
     # checkpoint now carries everything the chain needs.
-    if init_from is not None:
+    init_from = state.get("init_from")
+    if init_from:
         old_run = Path(init_from).parent
-        if old_run.resolve() != checkpoint.parent.resolve() and old_run.parent.resolve() == cache_root.resolve():
+        if (old_run.is_dir() and old_run.resolve() != Path(state["run_dir"]).resolve()
+                and old_run.parent.resolve() == cache_root.resolve()):
             freed += _tree_bytes(old_run)
             shutil.rmtree(old_run, ignore_errors=True)
+    previous_out_dir = Path(state["previous_out_dir"]) if state.get("previous_out_dir") else None
     if previous_out_dir is not None and previous_out_dir.is_dir():
         freed += _tree_bytes(previous_out_dir)
         shutil.rmtree(previous_out_dir, ignore_errors=True)
-    log(f"link {link + 1}/{chain.links} consumed in {time.time() - t0:.0f}s: step {state['step']}, "
-        f"{len(manifest['shards'])} shards deleted, {freed / 1e6:,.1f} MB freed -> {marker}")
-    return state
+    return freed
 
 
 def record_manifest(markers: list[Path], out: Path) -> dict:

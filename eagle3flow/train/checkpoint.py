@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3flow.atomic import sync_directory, temporary_sibling
 from eagle3flow.extract.shards import Manifest, sha256_file
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.weights import tensor_locations
@@ -97,7 +98,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int, keep_step:
     """Write ``step-XXXXXXXX/state.pt`` via a temporary dir renamed when complete; keep the
     last ``keep`` checkpoints and the one of step ``keep_step`` (the best), delete the rest."""
     final = run_dir / f"step-{step:08d}"
-    tmp = run_dir / f".step-{step:08d}.tmp-{os.getpid()}"
+    # Named like every temporary of this host's writers (atomic.temporary_sibling): one a
+    # killed trainer left is swept when the next one starts (sweep_stale_temporaries).
+    tmp = temporary_sibling(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with open(tmp / "state.pt", "wb") as f:
@@ -107,6 +110,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int, keep_step:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    sync_directory(run_dir)   # the checkpoint's name is on disk before older ones go
     for old_step, old in list_checkpoints(run_dir)[:-keep]:
         if old_step != keep_step:
             shutil.rmtree(old, ignore_errors=True)

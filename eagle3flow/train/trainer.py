@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3flow.atomic import write_json
+from eagle3flow.atomic import sweep_stale_temporaries, write_json
 from eagle3flow.config import cli_settings, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
@@ -236,6 +236,10 @@ def train_rank(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab
     trainer = Trainer(ctx, cfg, manifest, vocab_map, target_path, schedule_tokens, data_epoch, log)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # A checkpoint whose writer was killed (SIGTERM mid-save runs no cleanup): a
+        # whole state's bytes, never resumed from; gone before this run saves its own.
+        for path, size in sweep_stale_temporaries(run_dir):
+            log(f"train: removed the unfinished checkpoint {path.name} of a killed run ({size / 1e6:,.1f} MB)")
         write_json(run_dir / "config.json", {"train_config": cfg, "draft_config": trainer.model.config.to_dict(),
                                              "train_manifest": str(train_manifest), "chain": chain})
     history_from = trainer.restore(run_dir, init_from)

@@ -74,10 +74,13 @@ class FakeBox:
     def systemctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(FIXTURES / "systemctl"), *args], env=self.env, capture_output=True, text=True)
 
-    def service(self, *args: str, run_env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
+    def service(self, *args: str, run_env: dict | None = None, cwd: Path | None = None,
+                **overrides) -> subprocess.CompletedProcess:
+        """``python -m eagle3flow.ops.drain.service ARGS`` as a rule runs it (in ``cwd``)."""
         return subprocess.run([sys.executable, "-m", "eagle3flow.ops.drain.service", *args,
                                "--config-json", json.dumps(self.settings(**overrides))],
-                              env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120)
+                              env={**self.env, **(run_env or {})}, capture_output=True, text=True, timeout=120,
+                              cwd=cwd)
 
     def live_run(self, stages: list[str], service_dir: Path | None = None) -> dict:
         """A live process standing for a run's Snakemake main process, registered with the
@@ -147,6 +150,11 @@ class FakeBox:
         """nvidia-smi fails (NVML's "Unknown Error", exit 9) until repaired."""
         flag = self.gpus / "broken"
         flag.touch() if broken else flag.unlink(missing_ok=True)
+
+    def hang_nvidia_smi(self, hanging: bool = True) -> None:
+        """nvidia-smi hangs (a driver stuck after an Xid error) until released."""
+        flag = self.gpus / "hang"
+        flag.touch() if hanging else flag.unlink(missing_ok=True)
 
     def hang_systemctl(self, verb: str, hanging: bool = True) -> None:
         """`systemctl <verb>` hangs (a systemd that does not answer) until released."""

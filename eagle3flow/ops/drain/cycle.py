@@ -74,7 +74,7 @@ def _join_drain(settings: dict, state: State, stage: str, gpus: list[int], run_i
         time.sleep(settings["poll_interval_s"])
     _stop_if_started_again(settings, state, stage, gpus, own_runs)
     handle_foreign(settings, gpus, f"{stage}: after the unit was drained", own_runs)
-    own = sorted({h.pid for h in gpu_processes(settings["nvidia_smi"], gpus) if of_runs(h.pid, own_runs)})
+    own = sorted({h.pid for h in gpu_processes(settings["nvidia_smi"], gpus, settings["nvidia_smi_timeout_s"]) if of_runs(h.pid, own_runs)})
     log(f"{settings['unit']} is drained since {iso_time(session['drained_at'])}: {stage} registered"
         + (f" (the run's own GPU job(s) {own} hold the GPUs now; not foreign)" if own else ""))
     return session
@@ -210,12 +210,12 @@ def _wait_released(settings: dict, gpus: list[int], own_runs: list, when: str, s
         return not holders and not busy
 
     if not wait_until(released, settings["gpu_release_timeout_s"], settings["poll_interval_s"]):
-        memory = gpu_memory_used(settings["nvidia_smi"])
+        memory = gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"])
         raise ServiceError(
             f"GPUs {gpus} still busy {settings['gpu_release_timeout_s']} s after {settings['unit']} stopped "
             f"(drain.gpu_release_timeout_s): used MiB "
             + ", ".join(f"GPU {i}: {memory.get(i, ('', '?'))[1]}" for i in gpus)
-            + "\n" + describe_holders(gpu_processes(settings["nvidia_smi"], gpus), own_runs))
+            + "\n" + describe_holders(gpu_processes(settings["nvidia_smi"], gpus, settings["nvidia_smi_timeout_s"]), own_runs))
 
 
 def _stop_and_release(settings: dict, state: State, stage: str, gpus: list[int], properties: dict,

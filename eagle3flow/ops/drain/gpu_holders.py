@@ -26,15 +26,21 @@ class GpuProcess:
     used_mib: int
 
 
-def _query(nvidia_smi: str, query: str) -> list[list[str]]:
+# How long nvidia-smi may take to answer (drain.nvidia_smi_timeout_s): a driver stuck
+# after an Xid error or a reset makes it hang, exactly when GPU jobs die.
+QUERY_TIMEOUT_S = 60
+
+
+def _query(nvidia_smi: str, query: str, timeout_s: float = QUERY_TIMEOUT_S) -> list[list[str]]:
     command = [nvidia_smi, query, "--format=csv,noheader,nounits"]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError as error:
         raise GpuQueryError(f"{nvidia_smi} not found: the drain cannot tell whether the GPUs are "
                             "free (set drain.nvidia_smi to its path)") from error
     except subprocess.TimeoutExpired as error:
-        raise GpuQueryError(f"{' '.join(command)} did not answer within 60 s") from error
+        raise GpuQueryError(f"{' '.join(command)} did not answer within {timeout_s:g} s "
+                            "(drain.nvidia_smi_timeout_s)") from error
     if result.returncode != 0:
         raise GpuQueryError(f"{' '.join(command)} failed (rc={result.returncode}): "
                             f"{(result.stderr or result.stdout).strip()}")
@@ -42,10 +48,10 @@ def _query(nvidia_smi: str, query: str) -> list[list[str]]:
             for line in result.stdout.splitlines() if line.strip()]
 
 
-def gpu_memory_used(nvidia_smi: str) -> dict[int, tuple[str, int]]:
+def gpu_memory_used(nvidia_smi: str, timeout_s: float = QUERY_TIMEOUT_S) -> dict[int, tuple[str, int]]:
     """{index: (uuid, used MiB)} for every GPU of the node."""
     gpus = {}
-    for row in _query(nvidia_smi, "--query-gpu=index,uuid,memory.used"):
+    for row in _query(nvidia_smi, "--query-gpu=index,uuid,memory.used", timeout_s):
         try:
             gpus[int(row[0])] = (row[1], int(float(row[2])))
         except (IndexError, ValueError) as error:
@@ -53,11 +59,12 @@ def gpu_memory_used(nvidia_smi: str) -> dict[int, tuple[str, int]]:
     return gpus
 
 
-def gpu_processes(nvidia_smi: str, gpu_indices: list[int] | None = None) -> list[GpuProcess]:
+def gpu_processes(nvidia_smi: str, gpu_indices: list[int] | None = None,
+                  timeout_s: float = QUERY_TIMEOUT_S) -> list[GpuProcess]:
     """Processes with a context on the given GPUs (all when None)."""
-    index_of = {uuid: index for index, (uuid, _) in gpu_memory_used(nvidia_smi).items()}
+    index_of = {uuid: index for index, (uuid, _) in gpu_memory_used(nvidia_smi, timeout_s).items()}
     found = []
-    for row in _query(nvidia_smi, "--query-compute-apps=gpu_uuid,pid,used_memory"):
+    for row in _query(nvidia_smi, "--query-compute-apps=gpu_uuid,pid,used_memory", timeout_s):
         try:
             uuid, pid, used = row[0], int(row[1]), row[2]
         except (IndexError, ValueError) as error:

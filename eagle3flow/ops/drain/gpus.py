@@ -38,7 +38,7 @@ def job_gpu_indices(settings: dict, count: int) -> list[int]:
     if all(d.isdigit() for d in devices):
         return [int(d) for d in devices]
     try:
-        index_of = {uuid: index for index, (uuid, _) in gpu_memory_used(settings["nvidia_smi"]).items()}
+        index_of = {uuid: index for index, (uuid, _) in gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"]).items()}
     except GpuQueryError as error:
         raise ServiceError(f"cannot tell which GPUs CUDA_VISIBLE_DEVICES names: {error}") from error
     unknown = [d for d in devices if not d.isdigit() and d not in index_of]
@@ -58,7 +58,7 @@ def _foreign_holders(settings: dict, gpus: list[int], own_runs=()) -> list:
     """GPU processes on `gpus` that are not in the unit's cgroup, not this process and not
     a job of the runs `own_runs` (their token, read after the holders were listed: a job
     that started in between is still the run's)."""
-    holders = gpu_processes(settings["nvidia_smi"], gpus)
+    holders = gpu_processes(settings["nvidia_smi"], gpus, settings["nvidia_smi_timeout_s"])
     ours = unit_pids(settings) | {os.getpid()}
     return [p for p in holders if p.pid not in ours and not of_runs(p.pid, own_runs)]
 
@@ -138,9 +138,9 @@ def _never_killed(pid: int) -> str | None:
 
 def gpus_busy(settings: dict, gpus: list[int]) -> tuple[list, list[int]]:
     """(processes on `gpus`, GPUs whose memory is above idle)."""
-    memory = gpu_memory_used(settings["nvidia_smi"])
+    memory = gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"])
     busy = [i for i in gpus if memory.get(i, ("", 0))[1] > settings["gpu_idle_memory_mib"]]
-    return gpu_processes(settings["nvidia_smi"], gpus), busy
+    return gpu_processes(settings["nvidia_smi"], gpus, settings["nvidia_smi_timeout_s"]), busy
 
 
 def wait_until(predicate, timeout_s: float, poll_s: float) -> bool:

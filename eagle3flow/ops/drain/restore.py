@@ -132,7 +132,7 @@ def _start_unit(settings: dict, session: dict | None, reason: str) -> str | None
         # The last GPU stage's processes may still be exiting, or a job of a run holds a
         # GPU while nobody drained for it: vLLM must not start on GPUs they hold (it would
         # fail, and nothing would bring it back).
-        gpus = (session or {}).get("gpus") or sorted(gpu_memory_used(settings["nvidia_smi"]))
+        gpus = (session or {}).get("gpus") or sorted(gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"]))
         held = _wait_for_free_gpus(settings, gpus, list(session_runs(session)) if session else [])
         if held:
             return (f"{held}\n{settings['gpu_release_timeout_s']} s after {reason} "

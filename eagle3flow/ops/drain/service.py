@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "drain":
             # no GPUs configured: the unit's GPUs are all of the node's
             gpus = (job_gpu_indices(settings, args.gpus) if args.gpus > 0
-                    else sorted(gpu_memory_used(settings["nvidia_smi"])))
+                    else sorted(gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"])))
             # Before anything touches systemctl: stopping production is pointless when the
             # stages cannot use the GPUs it frees (CPU torch, vLLM's CPU build, too few GPUs).
             refusal = settings["check_gpu_environment"] and drain_refusal(len(gpus), settings["nvidia_smi"])

@@ -30,9 +30,14 @@ def systemctl(settings: dict, *args: str, timeout: float = 60) -> subprocess.Com
         raise ServiceError(f"`{' '.join(command)}` did not return within {timeout:.0f} s") from error
 
 
+# The three command lines run through drain.systemctl (a privilege prefix such as
+# `sudo -n` must allow exactly these: docs/service.md's sudoers lines). `-p` once per
+# property, not `--property=A,B`: a sudoers rule would need `=` and `,` escaped.
+SHOW_PROPERTIES = ("LoadState", "ActiveState", "MainPID", "ControlGroup")
+
+
 def unit_properties(settings: dict) -> dict:
-    result = systemctl(settings, "show", settings["unit"],
-                       "--property=LoadState,ActiveState,MainPID,ControlGroup")
+    result = systemctl(settings, "show", settings["unit"], *(a for p in SHOW_PROPERTIES for a in ("-p", p)))
     if result.returncode != 0:
         raise ServiceError(f"systemctl show {settings['unit']} failed: {result.stderr.strip()}")
     return dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)

@@ -109,7 +109,7 @@ def _still_running(settings: dict, session: dict, run_id: str | None) -> str | N
         kill_only(set(strays), what="process of a killed job of the dead run",
                   why="its job's wrapper is gone; nothing will take its outputs")
         jobs = sorted(run_pids([run_id]) - {os.getpid()})
-    gpus = session.get("gpus") or sorted(gpu_memory_used(settings["nvidia_smi"]))
+    gpus = session.get("gpus") or sorted(gpu_memory_used(settings["nvidia_smi"], settings["nvidia_smi_timeout_s"]))
     holders, busy = gpus_busy(settings, gpus)
     holders = [h for h in holders if h.pid not in unit_pids(settings)]
     if not jobs and not holders and not busy:
