@@ -11,9 +11,12 @@ strings into what the schema says the key holds (integer, number, boolean, null,
 object) before validation; a string where the schema wants a string stays one.
 
 A stage takes its settings as one ``--config-json '<its config section as JSON>'`` (paths
-are flags of their own); :func:`section_settings` is the one resolver every stage reads
-it with: the schema's defaults under what was given, checked against that section of the
-schema, so a stage called by hand refuses what the workflow would.
+are flags of their own, and nothing else is): keys of other sections it needs too are
+borrowed into that JSON (``trust_remote_code`` from ``target``, for every stage that loads
+the target; ``*_BORROWED`` below). :func:`section_settings` is the one resolver every stage
+reads it with (:func:`cli_settings` on a command line): the schema's defaults under what
+was given, checked against that section of the schema, so a stage called by hand refuses
+what the workflow would.
 
 The rest resolves what the validated config leaves open (which target and dataset, the
 evaluation's prompt sets and parallelism) and refuses combinations the schema cannot
@@ -213,19 +216,47 @@ def shown_config(config: dict) -> dict:
 
 
 # Keys of other sections a stage takes beside its own (section_settings' ``borrowed``).
+# Every stage that loads the target (its tokenizer, transformers, vLLM): whether the
+# target's own code may run.
+TARGET_BORROWED = {"trust_remote_code": "target.trust_remote_code"}
+# prepare_dataset (the target's tokenizer).
+DATASET_BORROWED = dict(TARGET_BORROWED)
 # The extraction: the dataset's length limit (part of the shards' fingerprint) and the
 # node's GPUs (vLLM's tensor parallelism).
 EXTRACT_BORROWED = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy",
-                    "gpus": "resources.gpus"}
+                    "gpus": "resources.gpus", **TARGET_BORROWED}
 # The regeneration: which rows in which order (the seed prepare_dataset shuffles with,
-# beside the section's own seed of the requests) and the chat template's variables.
+# beside the section's own seed of the requests) and the chat template's variables; the
+# target's code for the server it starts (--serve-target).
 REGENERATE_BORROWED = {"format": "dataset.format", "dataset_seed": "dataset.seed",
-                       "max_samples": "dataset.max_samples", "chat_template_kwargs": "dataset.chat_template_kwargs"}
+                       "max_samples": "dataset.max_samples", "chat_template_kwargs": "dataset.chat_template_kwargs",
+                       **TARGET_BORROWED}
+# The evaluation (the target's tokenizer, vLLM, the replay).
+EVALUATE_BORROWED = dict(TARGET_BORROWED)
+# The model card (it says the run trusted the target's code, and its serving commands do).
+MODEL_CARD_BORROWED = dict(TARGET_BORROWED)
+# Borrowed keys a workflow command carries only when set (not at the schema's default,
+# which the stage takes anyway): keys added to commands that ran without them, so that a
+# run at the default keeps its commands as they were (Snakemake reruns a job whose
+# params changed).
+ONLY_WHEN_SET = frozenset({"target.trust_remote_code"})
 
 
 def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
-    """The values of ``borrowed`` keys in the workflow's ``config``."""
-    return {key: config[home.partition(".")[0]][home.partition(".")[2]] for key, home in borrowed.items()}
+    """The values of ``borrowed`` keys in the workflow's ``config`` (those of ONLY_WHEN_SET
+    only where they differ from the schema's default)."""
+    values = {}
+    for key, home in borrowed.items():
+        section, _, name = home.partition(".")
+        value = config[section][name]
+        if home not in ONLY_WHEN_SET or value != schema_defaults(section)[name]:
+            values[key] = value
+    return values
+
+
+def dataset_stage_settings(config: dict) -> dict:
+    """prepare_dataset's --config-json: the dataset section and DATASET_BORROWED."""
+    return {**config["dataset"], **borrowed_values(config, DATASET_BORROWED)}
 
 
 def extract_stage_settings(config: dict) -> dict:
@@ -239,6 +270,12 @@ def regenerate_stage_settings(config: dict) -> dict:
     (REGENERATE_URL_ENV), and REGENERATE_BORROWED."""
     settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
     return {**settings, "base_url": None, **borrowed_values(config, REGENERATE_BORROWED)}
+
+
+def model_card_settings(config: dict) -> dict:
+    """write_model_card's --config-json: of the hub section only what the card shows
+    (publishing's dry_run and repo_id must not rewrite it), and MODEL_CARD_BORROWED."""
+    return {"base_model": config["hub"]["base_model"], **borrowed_values(config, MODEL_CARD_BORROWED)}
 
 
 def check_workflow_config(config: dict, environ=os.environ) -> None:
@@ -282,7 +319,7 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     evaluation runs on the CPU (else, unset, the stage takes every GPU its job sees: the
     node's ``gpus``, or 1 where vLLM turns out to be the CPU build), and the replay's
     largest K the TTT steps unless set (the acceptance-length-vs-K curve then comes from
-    the one baseline run)."""
+    the one baseline run); and EVALUATE_BORROWED."""
     settings = copy.deepcopy(config["evaluate"])
     optional = settings.pop("optional_prompt_sets")
     settings["prompt_sets"] = {**{name: path for name, path in optional.items() if exists(path)},
@@ -290,4 +327,5 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     if settings["tensor_parallel_size"] is None and (gpus == 0 or settings["device"] == "cpu"):
         settings["tensor_parallel_size"] = 1
     settings["replay_max_k"] = settings["replay_max_k"] or config["train"]["ttt_steps"]
+    settings.update(borrowed_values(config, EVALUATE_BORROWED))
     return settings

@@ -90,10 +90,6 @@ try:
     UNIT_STATE_DIR = str(unit_state_dir(DRAIN)) if DRAIN["enabled"] and DRAIN["unit"] else None
 except ServiceError as error:
     raise WorkflowError(str(error))
-# target.trust_remote_code, appended to the command of every stage that loads the target
-# (tokenizer, transformers, vLLM). Nothing when off: the commands stay what they were, so
-# switching to this version reruns nothing.
-TRUST_REMOTE_CODE = " --trust-remote-code" if config["target"]["trust_remote_code"] else ""
 # The checks that need no GPU passed (rules/preflight.smk): `snakemake preflight` writes
 # PREFLIGHT_OK; each drain job waits for its own, PREFLIGHT_FOR_DRAIN with its stage and key.
 PREFLIGHT_OK = f"{RESULTS}/preflight/ok.json"

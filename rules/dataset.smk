@@ -12,7 +12,7 @@ rule prepare_dataset:
     params:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
-        cfg=json_arg("dataset"),
+        cfg=json_arg_of(config_lib.dataset_stage_settings(config)),
         regenerated=lambda wildcards, input: optional_flag("--regenerated", input.regenerated),
     log:
         f"{LOGS}/prepare_dataset.log",
@@ -22,6 +22,4 @@ rule prepare_dataset:
         "../envs/data.yaml"
     shell:
         "python -m eagle3flow.data.dataset --input {params.source:q} --tokenizer {input.target:q}"
-        " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg}"
-        + TRUST_REMOTE_CODE
-        + " 2>&1 | tee {log:q}"
+        " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg} 2>&1 | tee {log:q}"

@@ -26,4 +26,3 @@ rule evaluate_draft:
         " python -m eagle3flow.eval.evaluate --draft {params.draft_dir:q} --target {input.target:q}"
         " --eval-prompts {input.eval_prompts:q} --eval-manifest {input.eval_manifest:q}"
         " --out {output.summary:q} --config-json {params.cfg}"
-        + TRUST_REMOTE_CODE

@@ -38,7 +38,6 @@ rule extract_hidden_states:
         " --split-name train --dataset {input.train:q} --manifest {output.train:q}"
         " --split-name eval --dataset {input.eval:q} --manifest {output.eval:q}"
         " --config-json {params.cfg}"
-        + TRUST_REMOTE_CODE
 
 
 # Reads N small JSON files: runs where Snakemake runs, never as a cluster job.

@@ -15,7 +15,7 @@ rule write_model_card:
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.draft[0]),
         # only what the card shows: publishing (dry_run, repo_id) must not rewrite it
-        hub=json_arg_of({"base_model": config["hub"]["base_model"]}),
+        cfg=json_arg_of(config_lib.model_card_settings(config)),
     localrule: True
     log:
         f"{LOGS}/write_model_card.log",
@@ -27,9 +27,7 @@ rule write_model_card:
         "python -m eagle3flow.report.model_card --draft {params.draft_dir:q} --eval-summary {input.eval_summary:q}"
         " --vocab-stats {input.vocab_stats:q} --dataset-stats {input.dataset_stats:q}"
         " --train-eval {input.train_eval:q} --target {input.target:q} --out {output.card:q}"
-        " --config-json {params.hub}"
-        + TRUST_REMOTE_CODE
-        + " 2>&1 | tee {log:q}"
+        " --config-json {params.cfg} 2>&1 | tee {log:q}"
 
 
 rule publish_draft:

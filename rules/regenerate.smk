@@ -39,9 +39,7 @@ rule regenerate_responses:
     shell:
         "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
-        " --serve-target {input.target:q} --server-log {params.server_log:q} {params.vllm_python}"
-        + TRUST_REMOTE_CODE
-        + " 2>&1 | tee {log:q}"
+        " --serve-target {input.target:q} --server-log {params.server_log:q} {params.vllm_python} 2>&1 | tee {log:q}"
 
 
 rule train_original_answers_draft:

@@ -90,6 +90,9 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
             assert value_after(argv, "--vllm-python") == HOSTILE["evaluate"]["vllm_python"]
         # a stage's settings: its config section, each value as it was given
         settings = json.loads(value_after(argv, "--config-json")) if "--config-json" in argv else {}
+        # target.trust_remote_code off: not in any command (they stay what they were, so
+        # a run made before it was a key of --config-json reruns nothing)
+        assert "trust_remote_code" not in settings, argv
         for section, values in HOSTILE.items():
             for key, value in values.items():
                 if key in settings and section != "paths":
@@ -99,6 +102,119 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
             assert argv[argv.index("tee") - 1] == "|"
             assert value_after(argv, "tee").startswith(HOSTILE["paths"]["logs"] + "/")
     assert not list(workdir.rglob("PWNED"))
+
+
+# Launchers in front of a stage: their own flags say how the stage runs (its GPUs, the
+# drain, the processes), and the stage's command follows their "--".
+LAUNCHERS = {"eagle3flow.ops.drain.gpu_stage", "eagle3flow.train.launch"}
+# Flags that say which job of a rule this is (its wildcards, its stage, the cores Snakemake
+# gave it), not a setting of the config.
+JOB_FLAGS = {"--partition", "--split-name", "--stage", "--cores"}
+# Stages whose commands still take settings as flags of their own (issue 27: one CLI
+# convention across stages), each with those flags at most: a stage moved to the
+# convention is taken off this list, and no other stage or flag may join it.
+SETTINGS_AS_FLAGS = {
+    "eagle3flow.data.vocab": {"--draft-vocab-size"},
+    "eagle3flow.embedded.build": {"--steps", "--max-conversations", "--seed"},
+    "eagle3flow.export.checkpoint": {"--speculative-tokens"},
+    "eagle3flow.ops.drain.service": {"--gpus"},
+    "eagle3flow.ops.drain.gpu_stage": {"--gpus", "--drain"},
+    "eagle3flow.train.launch": {"--nproc", "--nodes", "--device"},
+}
+# The stages that load the target, and so take target.trust_remote_code in their --config-json.
+LOADS_TARGET = {"eagle3flow.data.dataset", "eagle3flow.extract", "eagle3flow.data.regenerate",
+                "eagle3flow.eval.evaluate", "eagle3flow.report.model_card"}
+
+
+def shell_syntax(arg: str) -> bool:
+    """Where a command's arguments end: a pipe, a list operator, a redirection."""
+    return arg in {"|", "||", "&&", ";"} or arg.startswith((">", "2>", "<"))
+
+
+def stage_commands(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``(module, its arguments)`` of every ``python -m eagle3flow...`` in one shell command:
+    a launcher's arguments end at its "--" (the trainer's module, given without -m, and its
+    arguments after it count as a stage of their own), a stage's at the shell's syntax."""
+    def end_of(j, launcher):
+        while j < len(argv) and not shell_syntax(argv[j]) and not (launcher and argv[j] == "--"):
+            j += 1
+        return j
+
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "-m" and i + 1 < len(argv) and argv[i + 1].startswith("eagle3flow."):
+            module = argv[i + 1]
+            j = end_of(i + 2, module in LAUNCHERS)
+            args = argv[i + 2:j]
+            if module == "eagle3flow.train.launch":   # ... --device auto eagle3flow.train.trainer -- ARGS
+                trainer = next(a for a in args if a.startswith("eagle3flow."))
+                args = args[:args.index(trainer)]
+                k = end_of(j + 1, False)
+                out.append((trainer, argv[j + 1:k]))
+                j = k
+            out.append((module, args))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def flags_of(args: list[str]) -> list[tuple[str, list[str]]]:
+    """``(flag, its values)`` in order: the words up to the next flag (none: a switch;
+    several: a list flag, as render's --manifest). Words before the first flag are a
+    subcommand (``shards merge``)."""
+    flags, i = [], 0
+    while i < len(args) and not args[i].startswith("--"):
+        assert args[i].isidentifier(), f"a positional argument: {args[i]!r} in {args}"
+        i += 1
+    for arg in args[i:]:
+        if arg.startswith("--"):
+            flags.append((arg, []))
+        else:
+            flags[-1][1].append(arg)
+    return flags
+
+
+def is_path(value: str, roots=("results", "cache", "logs")) -> bool:
+    """An artifact path (with a directory part, or one of the run's folders ``roots``; the
+    format export's --out-dir names its format first, eagle3=DIR), not a setting's value."""
+    if value.startswith(("{", "[")):
+        return False
+    path = value.split("=", 1)[1] if value.startswith(("eagle3=", "speculators=")) else value
+    return "/" in path or path in roots
+
+
+@pytest.mark.parametrize("profile, targets", [("embedded", ("all", "publish_draft")),
+                                              ("embedded-regenerate", ("all", "publish_draft")),
+                                              ("local-8gpu", ())])
+def test_every_stage_command_takes_path_flags_and_one_config_json(tmp_path, profile, targets):
+    """The stage CLI convention, checked on every command a dry run prints with
+    target.trust_remote_code on (the setting that was a flag of its own): each stage takes
+    artifact paths as flags, its settings as at most one --config-json, and nothing else but
+    the flags that name its job (and the stages still listed in SETTINGS_AS_FLAGS, those
+    flags); every stage that loads the target has trust_remote_code in that JSON."""
+    config = {"target": {"trust_remote_code": True}, "drain": {"unit": "vllm.service"}}
+    workdir, result = dry_run(tmp_path, profile, config, *targets)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert True
+    seen: dict[str, set[str]] = {}
+    for argv in printed_commands(result.stdout):
+        for module, args in stage_commands(argv):
+            flags = flags_of(args)
+            names = [flag for flag, _ in flags]
+            assert names.count("--config-json") <= 1, (module, args)
+            if "--config-json" in names:
+                assert len(dict(flags)["--config-json"]) == 1, (module, args)
+            others = {flag for flag, values in flags if flag != "--config-json" and flag not in JOB_FLAGS
+                      and not (values and all(map(is_path, values)))}
+            seen[module] = seen.get(module, set()) | others
+            if module in LOADS_TARGET:
+                settings = json.loads(dict(flags)["--config-json"][0])
+                assert settings.get("trust_remote_code") is True, (module, args)
+    assert LOADS_TARGET <= set(seen) or profile != "embedded-regenerate", sorted(seen)
+    deviations = {module: flags - SETTINGS_AS_FLAGS.get(module, set()) for module, flags in seen.items()}
+    assert not any(deviations.values()), {module: flags for module, flags in deviations.items() if flags}
+    assert not LOADS_TARGET & set(SETTINGS_AS_FLAGS)
 
 
 @pytest.mark.parametrize("section", ["extract", "train", "evaluate"])

@@ -196,6 +196,32 @@ def test_section_settings_fill_defaults_and_refuse_naming_the_key():
     assert "keys of the section itself" in refusal({}, borrowed={"device": "evaluate.device"})
 
 
+def test_target_trust_remote_code_reaches_every_stage_that_loads_the_target_in_its_settings():
+    """target.trust_remote_code is a borrowed key of each such stage's --config-json, built by
+    the helper its rule uses and read back by the stage's resolver; off, no command carries
+    it (the commands stay what they were: a run made before reruns nothing)."""
+    names = ("extract", "hub", "resources")
+    stages = {  # section, borrowed keys, the helper its rule builds the JSON with
+        "dataset": ("dataset", config_lib.DATASET_BORROWED, config_lib.dataset_stage_settings),
+        "extract": ("extract", config_lib.EXTRACT_BORROWED, config_lib.extract_stage_settings),
+        "regenerate": ("regenerate", config_lib.REGENERATE_BORROWED, config_lib.regenerate_stage_settings),
+        "evaluate": ("evaluate", config_lib.EVALUATE_BORROWED, lambda config: config_lib.evaluate_settings(config, 0)),
+        "model_card": ("hub", config_lib.MODEL_CARD_BORROWED, config_lib.model_card_settings),
+    }
+    for trusted in (False, True):
+        config = workflow_config(target={"trust_remote_code": trusted})
+        config.update({name: schema_defaults(name) for name in names})
+        for stage, (section, borrowed, helper) in stages.items():
+            assert borrowed["trust_remote_code"] == "target.trust_remote_code", stage
+            given = helper(config)
+            assert ("trust_remote_code" in given) is trusted, stage
+            assert section_settings(section, given, borrowed=borrowed)["trust_remote_code"] is trusted, stage
+    with pytest.raises(ValueError, match="target.trust_remote_code: 'yes' is not of type 'boolean'"):
+        section_settings("dataset", {"trust_remote_code": "yes"}, borrowed=config_lib.DATASET_BORROWED)
+    with pytest.raises(ValueError, match=r"unknown keys \['trust_remote_code'\]"):
+        section_settings("dataset", {"trust_remote_code": True})
+
+
 def test_the_schema_offers_the_choices_the_code_knows():
     """The stages rely on the schema's enums: they are the code's own lists."""
     from eagle3flow.train.optim import LR_SCHEDULES, OPTIMIZERS

@@ -237,21 +237,23 @@ def test_good_config_passes_the_preflight_and_leaves_no_record_behind(box, targe
 
 def test_remote_code_target_is_trusted_only_when_configured(box, targets, workdir, tmp_path):
     """A tokenizer only the target's own code defines, through the stages' real load path:
-    prepare_dataset loads it with --trust-remote-code (the class from the target's
-    directory) and refuses it without, naming the key and the file; the workflow's
+    prepare_dataset loads it with trust_remote_code in its --config-json (the class from the
+    target's directory) and refuses it without, naming the key and the file; the workflow's
     preflight passes with target.trust_remote_code: true."""
     target = targets["remote_code"]
     env = {**box.env, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
     command = [sys.executable, "-m", "eagle3flow.data.dataset", "--input", str(workdir / "chats.jsonl"),
-               "--tokenizer", str(target), "--config-json", json.dumps({"max_length": 128})]
-    refused = subprocess.run(command + ["--out-dir", str(tmp_path / "refused")], env=env,
+               "--tokenizer", str(target)]
+    refused = subprocess.run(command + ["--out-dir", str(tmp_path / "refused"),
+                                        "--config-json", json.dumps({"max_length": 128})], env=env,
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1, refused.stderr[-2000:]
     assert f"{target / 'tokenizer_config.json'} declares auto_map ['AutoTokenizer']" in refused.stderr
     assert "target.trust_remote_code is false" in refused.stderr
     assert not (tmp_path / "hf_modules").exists(), "the target's code ran without trust"
 
-    trusted = subprocess.run(command + ["--out-dir", str(tmp_path / "trusted"), "--trust-remote-code"], env=env,
+    trusted = subprocess.run(command + ["--out-dir", str(tmp_path / "trusted"), "--config-json",
+                                        json.dumps({"max_length": 128, "trust_remote_code": True})], env=env,
                              capture_output=True, text=True, timeout=300)
     assert trusted.returncode == 0, trusted.stderr[-2000:]
     stats = json.loads((tmp_path / "trusted" / "stats.json").read_text())

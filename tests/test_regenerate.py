@@ -590,3 +590,25 @@ def test_credentials_in_base_url_reach_the_server_and_no_command_line_log_or_rec
     assert printed == []
     assert any(p.parts[-3:-1] == (".snakemake", "log") for p in written), "Snakemake's log is among them"
     assert leaks == []
+
+
+def test_the_command_line_refuses_bad_settings_as_every_stage_does(tmp_path, capsys):
+    """--config-json through the one resolver of every stage (config.cli_settings): a key it
+    does not take, or a borrowed key of the wrong type, is a usage error naming the key, before
+    any input is read; target.trust_remote_code is one of its keys, no flag of its own."""
+    base = ["--input", str(tmp_path / "absent.jsonl"), "--out-dir", str(tmp_path / "out"),
+            "--cache-root", str(tmp_path / "cache")]
+    for settings, named in (({"max_tokenz": 1}, "regenerate: unknown keys ['max_tokenz']"),
+                            ({"trust_remote_code": "yes"}, "target.trust_remote_code: 'yes' is not of type 'boolean'")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, "--config-json", json.dumps(settings)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--config-json: {named}" in err, err
+    with pytest.raises(SystemExit):
+        main([*base, "--trust-remote-code"])
+    assert "unrecognized arguments: --trust-remote-code" in capsys.readouterr().err
+    # the settings taken, the input is read next
+    assert main([*base, "--config-json", json.dumps({"trust_remote_code": True})]) == 1
+    assert "absent.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -42,7 +42,7 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from eagle3flow.config import cli_settings, schema_defaults
+from eagle3flow.config import DATASET_BORROWED, cli_settings, schema_defaults
 from eagle3flow.data.chat_masks import ChatMasker
 from eagle3flow.data.order import processing_order
 from eagle3flow.data.records import FORMATS, BadRow
@@ -226,11 +226,12 @@ def prepare_dataset(input: str, tokenizer_dir: str | Path, out_dir: str | Path,
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: artifact paths as flags, the settings as one --config-json (the dataset section;
-    its path and builtin_prompts are the workflow's: --input is the data).
+    its path and builtin_prompts are the workflow's: --input is the data; and
+    trust_remote_code, target.trust_remote_code: run the tokenizer's own code).
 
     python -m eagle3flow.data.dataset --input PATH_OR_HUB_ID --tokenizer TARGET_DIR \\
         --out-dir results/dataset [--regenerated results/regenerate/responses.jsonl] \\
-        [--split train] [--trust-remote-code] --config-json '{"max_length": 2048, "chat_template_kwargs": {...}, ...}'
+        [--split train] --config-json '{"max_length": 2048, "chat_template_kwargs": {...}, ...}'
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.dataset", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,17 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regenerated", default=None,
                         help="regenerate_responses' responses.jsonl: train on the target's own answers")
     parser.add_argument("--split", default=DatasetConfig.split, help="split of a Hub dataset")
-    parser.add_argument("--config-json", default="{}", help="the dataset section (above)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="target.trust_remote_code: run the tokenizer's own code (auto_map)")
+    parser.add_argument("--config-json", default="{}", help="the dataset section and trust_remote_code (above)")
     args = parser.parse_args(argv)
-    settings = cli_settings(parser, "dataset", args.config_json)
+    settings = cli_settings(parser, "dataset", args.config_json, borrowed=DATASET_BORROWED)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never hang on a network that is not there
     config = DatasetConfig(split=args.split, **{f.name: settings[f.name] for f in fields(DatasetConfig)
                                                 if f.name in settings})
     try:
         stats = prepare_dataset(args.input, args.tokenizer, args.out_dir, config,
-                                regenerated=args.regenerated, trust_remote_code=args.trust_remote_code)
+                                regenerated=args.regenerated, trust_remote_code=settings["trust_remote_code"])
     except (ValueError, OSError) as error:  # DatasetError, MaskError, missing files
         print(f"prepare_dataset: error: {error}", file=sys.stderr)
         return 1

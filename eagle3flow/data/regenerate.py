@@ -54,7 +54,8 @@ CLI::
 
     python -m eagle3flow.data.regenerate --input DATA --tokenizer TARGET_DIR --out-dir results/regenerate
         --cache-root cache/regenerate
-        --config-json '{...regenerate section, format, dataset_seed, max_samples, chat_template_kwargs...}'
+        --config-json '{...regenerate section, format, dataset_seed, max_samples, chat_template_kwargs,
+                        trust_remote_code...}'
         [--serve-target TARGET_DIR --server-log logs/regenerate_server.log] [--vllm-python PATH]
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.config import REGENERATE_URL_ENV as URL_ENV
-from eagle3flow.config import REGENERATE_BORROWED, redact_url, section_settings
+from eagle3flow.config import REGENERATE_BORROWED, cli_settings, redact_url, section_settings
 from eagle3flow.data.chat_client import ChatClient, PromptFailed, Transient, call_with_retries
 from eagle3flow.data.order import iter_conversations
 from eagle3flow.data.records import tool_calls_for_templates
@@ -491,23 +492,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-target", help="the target, served by vLLM for the run when there is no URL")
     parser.add_argument("--server-log", default="regenerate_server.log")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vLLM for --serve-target")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="target.trust_remote_code: the server of --serve-target runs the target's own code")
     args = parser.parse_args(argv)
+    cfg = cli_settings(parser, "regenerate", args.config_json, borrowed=REGENERATE_BORROWED)
+    # the borrowed keys (the dataset's, target.trust_remote_code) apart: regenerate() takes the section
+    borrowed = {key: cfg.pop(key) for key in REGENERATE_BORROWED}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        cfg = section_settings("regenerate", args.config_json, borrowed=REGENERATE_BORROWED)
-        dataset = {key: cfg.pop(key) for key in REGENERATE_BORROWED}
         conversations, bad = [], []
-        for sid, messages in iter_conversations(args.input, dataset["format"], seed=dataset["dataset_seed"],
-                                                max_samples=dataset["max_samples"]):
+        for sid, messages in iter_conversations(args.input, borrowed["format"], seed=borrowed["dataset_seed"],
+                                                max_samples=borrowed["max_samples"]):
             if isinstance(messages, Exception):
                 bad.append({"id": sid, "reason": str(messages)})
             else:
                 conversations.append((sid, messages))
         if not conversations:
             raise RegenerateError(f"{args.input}: no usable conversation to regenerate")
-        kwargs = dict(tokenizer_dir=args.tokenizer, template_kwargs=dataset["chat_template_kwargs"],
+        kwargs = dict(tokenizer_dir=args.tokenizer, template_kwargs=borrowed["chat_template_kwargs"],
                       bad_rows=bad)
         base_url = cfg["base_url"] or os.environ.get(URL_ENV)
         if args.serve_target and not base_url:
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             with serve_target(args.serve_target, args.server_log, args.vllm_python,
                               cfg["serve_max_model_len"], cfg["serve_startup_timeout_s"],
                               log_tag="regenerate", dtype=dtype,
-                              trust_remote_code=args.trust_remote_code) as url:
+                              trust_remote_code=borrowed["trust_remote_code"]) as url:
                 regenerate(conversations, args.out_dir, args.cache_root, url, cfg, served_dtype=dtype, **kwargs)
         elif base_url:
             regenerate(conversations, args.out_dir, args.cache_root, base_url, cfg, **kwargs)

@@ -43,7 +43,7 @@ import torch
 from eagle3flow.export.load import load_exported_draft
 from eagle3flow.extract.hf import load_target
 from eagle3flow.atomic import write_json
-from eagle3flow.config import cli_settings, schema_defaults
+from eagle3flow.config import EVALUATE_BORROWED, cli_settings, schema_defaults
 from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
@@ -365,12 +365,13 @@ def format_summary(s: dict) -> str:
 
 def main(argv=None) -> None:
     """CLI: artifact paths as flags, the settings as one ``--config-json '<the evaluate config
-    section>'`` (keys: EVAL_DEFAULTS; what it leaves out takes the schema's default).
+    section>'`` (keys: EVAL_DEFAULTS, and trust_remote_code, target.trust_remote_code: run
+    the target's own code; what it leaves out takes the schema's default).
 
     python -m eagle3flow.eval.evaluate --draft results/draft --target DIR \\
         --eval-prompts results/dataset/eval_prompts.jsonl \\
         --eval-manifest results/hidden_states/eval/manifest.json \\
-        --out results/eval/summary.json --config-json '{"num_speculative_tokens": 3, ...}' [--trust-remote-code]
+        --out results/eval/summary.json --config-json '{"num_speculative_tokens": 3, ...}'
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.eval.evaluate", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -380,20 +381,20 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-manifest", default=None,
                         help="eval hidden-state manifest.json (omit to skip step accuracy)")
     parser.add_argument("--out", required=True, help="summary.json to write")
-    parser.add_argument("--config-json", default="{}", help="the evaluate section: JSON object of EVAL_DEFAULTS keys")
+    parser.add_argument("--config-json", default="{}",
+                        help="the evaluate section: JSON object of EVAL_DEFAULTS keys, and trust_remote_code")
     parser.add_argument("--prompt-set", action="append", default=[], metavar="NAME=JSONL",
                         help="another prompt set (MT-bench questions or {id, messages} rows); repeat")
     parser.add_argument("--compare-draft", action="append", default=[], metavar="NAME=DIR",
                         help="another exported draft evaluated side by side; repeat")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
-    config = cli_settings(parser, "evaluate", args.config_json)
+    config = cli_settings(parser, "evaluate", args.config_json, borrowed=EVALUATE_BORROWED)
+    trust_remote_code = config.pop("trust_remote_code")
     if config["num_prompts"] is not None and int(config["num_prompts"]) <= 0:
         config["num_prompts"] = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     evaluate(args.draft, args.target, args.eval_prompts, args.eval_manifest, args.out, EvalOptions(**config),
-             trust_remote_code=args.trust_remote_code)
+             trust_remote_code=trust_remote_code)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ def main(argv=None) -> None:
 
     python -m eagle3flow.extract --target DIR --cache-root cache/hidden_states \\
         --dataset results/dataset/train.parquet --manifest results/hidden_states/train/manifest.json \\
-        [--split-name train] [--partition K] [--trust-remote-code] --config-json '{"device": "auto", ...}'
+        [--split-name train] [--partition K] --config-json '{"device": "auto", ...}'
 
     --config-json is the config's extract section (dtype, storage_dtype, device, backend,
     batch_tokens, shard_tokens, aux_layer_ids, partitions) with the dataset section's
-    max_length and length_policy and resources.gpus (vLLM's tensor parallelism; 0 = every
-    visible GPU, 1 on the CPU); what it leaves out takes the schema's default.
+    max_length and length_policy, resources.gpus (vLLM's tensor parallelism; 0 = every
+    visible GPU, 1 on the CPU) and target.trust_remote_code (trust_remote_code: run the
+    target's own code); what it leaves out takes the schema's default.
     With partitions N, this job extracts only the K-th of N runs of shards (0-based)
     and its manifest lists only those; `python -m eagle3flow.extract.shards merge` joins them.
     """
@@ -53,8 +54,6 @@ def main(argv=None) -> None:
     parser.add_argument("--split-name", action="append", default=None)
     parser.add_argument("--partition", type=int, default=0, help="this job's partition (0-based)")
     parser.add_argument("--config-json", default="{}", help="the settings (above)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="target.trust_remote_code: run the target's own code (auto_map)")
     args = parser.parse_args(argv)
     settings = cli_settings(parser, "extract", args.config_json, borrowed=EXTRACT_BORROWED)
     limit_cpu_threads()
@@ -75,7 +74,7 @@ def main(argv=None) -> None:
                 length_policy=settings["length_policy"], storage_dtype=settings["storage_dtype"],
                 split_name=split_name, partition=(args.partition, settings["partitions"]),
                 fingerprint_extra=vllm_backend.FINGERPRINT if use_vllm else None,
-                trust_remote_code=args.trust_remote_code)
+                trust_remote_code=settings["trust_remote_code"])
         for dataset, manifest, split_name in zip(args.dataset, args.manifest, split_names)]
     check_disk_room(extractions)
     if use_vllm:

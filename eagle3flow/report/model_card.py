@@ -12,8 +12,12 @@ CLI::
 
     python -m eagle3flow.report.model_card --draft results/draft --eval-summary results/eval/summary.json \\
         --vocab-stats results/vocab/stats.json --dataset-stats results/dataset/stats.json \\
-        --train-eval results/train/eval.json --base-model NAME --out results/draft/README.md \
-        [--trust-remote-code]
+        --train-eval results/train/eval.json --target DIR --out results/draft/README.md \\
+        --config-json '{"base_model": "org/name", "trust_remote_code": true}'
+
+--config-json: the hub section's base_model (null: the target's own record of its Hub id,
+else its directory's name) and target.trust_remote_code (the card says the run trusted
+the target's code, and its serving commands pass vLLM's and SGLang's --trust-remote-code).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from eagle3flow.atomic import write_text
-from eagle3flow.config import cli_settings
+from eagle3flow.config import MODEL_CARD_BORROWED, cli_settings
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
@@ -161,15 +165,13 @@ def main(argv=None) -> int:
     parser.add_argument("--train-eval", type=Path)
     parser.add_argument("--target", required=True)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--config-json", default="{}", help="the hub section (base_model)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="target.trust_remote_code was on: the card says so, and its serving commands pass it")
+    parser.add_argument("--config-json", default="{}", help="the hub section's base_model, and trust_remote_code")
     args = parser.parse_args(argv)
-    hub = cli_settings(parser, "hub", args.config_json)
+    hub = cli_settings(parser, "hub", args.config_json, borrowed=MODEL_CARD_BORROWED)
     read = lambda p: json.loads(p.read_text()) if p else None   # noqa: E731
     card = render(args.draft, read(args.eval_summary), read(args.vocab_stats), read(args.dataset_stats),
                   read(args.train_eval), base_model_name(args.target, hub["base_model"]),
-                  trust_remote_code=args.trust_remote_code)
+                  trust_remote_code=hub["trust_remote_code"])
     write_text(args.out, card)
     return 0
 
