@@ -164,16 +164,22 @@ def target_input():
 # every run would rerun everything. Stats and headers only: well under a second on a
 # 595 GB target. Written by the invocation the user started (dry runs too, so that
 # `snakemake -n` shows what a new target reruns), never by a job re-reading the workflow.
+# TARGET_CONFIG_IDENTITY: the same less the weight files, for the stages that read no
+# weight (the dataset, the vocab map): new weights do not rerun them.
 TARGET_IDENTITY = f"{RESULTS}/target/identity.json"
+TARGET_CONFIG_IDENTITY = f"{RESULTS}/target/config_identity.json"
 HAS_TARGET_IDENTITY = not BUILTIN_TARGET and os.path.isdir(TARGET)
 if HAS_TARGET_IDENTITY and workflow.is_main_process:
-    identity_lib.write_identity(TARGET, TARGET_IDENTITY)
+    identity_lib.write_identity(TARGET, TARGET_IDENTITY, TARGET_CONFIG_IDENTITY)
 
 
-def target_identity_input():
-    """The served target's identity file as an input; nothing for a built-in target (its
-    directory is a rule's output) or one not on this machine (the target input names it)."""
-    return TARGET_IDENTITY if HAS_TARGET_IDENTITY else []
+def target_identity_input(weights=True):
+    """The served target's identity file as an input (``weights=False``: the one without
+    its weight files); nothing for a built-in target (its directory is a rule's output) or
+    one not on this machine (the target input names it)."""
+    if not HAS_TARGET_IDENTITY:
+        return []
+    return TARGET_IDENTITY if weights else TARGET_CONFIG_IDENTITY
 
 
 def dataset_input():

@@ -184,8 +184,8 @@ def tensor_the_old_sampler_never_read(path: Path) -> tuple[str, int, int]:
 def test_a_weight_rewritten_where_the_old_sampler_never_read_reruns_extraction(extraction_run):
     """The served target's weights change in place (same file, size and header; a tensor the
     old cache key never read): Snakemake sees the target's identity change and reruns
-    extraction, which computes new hidden states instead of finding the old ones; an
-    unchanged target reruns nothing. The last test of extraction_run: it changes its target."""
+    extraction, which computes new hidden states instead of finding the old ones, and not
+    the dataset, which reads no weight; an unchanged target reruns nothing. The last test of extraction_run: it changes its target."""
     workdir, _ = extraction_run
     # The extraction job's own manifests (one partition): the merge job adds nothing here.
     manifests = {split: workdir / "results" / "hidden_states" / split / "part-0-of-1.json" for split in ("train", "eval")}
@@ -209,7 +209,9 @@ def test_a_weight_rewritten_where_the_old_sampler_never_read_reruns_extraction(e
 
     rerun = snakemake(workdir, *goal, timeout=600)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    assert "rule extract_hidden_states" in rerun.stdout + rerun.stderr, (name, rerun.stdout[-3000:])
+    ran = rerun.stdout + rerun.stderr
+    assert "rule extract_hidden_states" in ran, (name, ran[-3000:])
+    assert "rule prepare_dataset" not in ran, ran[-3000:]      # it reads no weight
     for split in ("train", "eval"):
         after = json.loads(manifests[split].read_text())
         assert after["fingerprint"] != before[split]["fingerprint"], (split, name)

@@ -118,17 +118,32 @@ def target_digest(target: str | Path) -> str:
     return identity_digest(target_identity(target))
 
 
-def write_identity(target: str | Path, out: str | Path) -> bool:
-    """Write the target's identity to ``out`` when it differs from what ``out`` holds;
-    leave ``out`` untouched otherwise (its mtime is what Snakemake compares: an unchanged
-    target must rerun nothing). Returns whether it was written."""
-    identity, out = target_identity(target), Path(out)
+def without_weights(identity: dict) -> dict:
+    """The identity less the weight files (safetensors and files too large to hash): the
+    config, tokenizer, chat template and code, all that a stage reading no weight (the
+    dataset, the vocab map) depends on, so that new weights do not rerun it."""
+    return {**identity, "files": {name: entry for name, entry in identity["files"].items()
+                                  if "mtime_ns" not in entry}}
+
+
+def _write_if_changed(out: Path, obj: dict) -> bool:
     try:
         with open(out) as f:
-            if json.load(f) == identity:
+            if json.load(f) == obj:
                 return False
     except (OSError, ValueError):
         pass
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, identity)
+    write_json(out, obj)
     return True
+
+
+def write_identity(target: str | Path, out: str | Path, config_out: str | Path | None = None) -> bool:
+    """Write the target's identity to ``out`` (and :func:`without_weights` of it to
+    ``config_out``) when it differs from what the file holds; leave the file untouched
+    otherwise (its mtime is what Snakemake compares: an unchanged target must rerun
+    nothing). Returns whether ``out`` was written."""
+    identity = target_identity(target)
+    if config_out is not None:
+        _write_if_changed(Path(config_out), without_weights(identity))
+    return _write_if_changed(Path(out), identity)
