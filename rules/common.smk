@@ -16,6 +16,7 @@ from eagle3flow.ops import plan as plan_lib
 from eagle3flow.ops.invocation import runs_jobs
 from eagle3flow.ops.drain.state import DRAINED_STAGES, ServiceError, run_id_of, unit_state_dir
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
+from eagle3flow.target import identity as identity_lib
 from eagle3flow.train.launch import trainer_command
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
@@ -144,9 +145,37 @@ def gpu_resources(nodes=None):
 
 
 def target_input():
-    """The target as an input: a built-in one is built here; a served one is
-    ancient, since touching the weights' directory must not re-drain production."""
+    """The target as an input: a built-in one is built here; a served one is ancient
+    (the directory's own mtime says nothing about its weights): what it holds reaches
+    Snakemake through its identity (target_identity_input)."""
     return TARGET if BUILTIN_TARGET else ancient(TARGET)
+
+
+# A served target's identity (eagle3flow/target/identity.py: per file its size, mtime and
+# the full hash of its safetensors header, or of the content of a small file), written
+# here when the workflow is read, and only when it changed: its mtime is then the time the
+# target was last seen to change, and every stage whose output depends on the target takes
+# it as an input. Not a job: Snakemake decides what is out of date before any job runs,
+# and reruns every consumer of a job that runs (rules/preflight.smk), so a job taking it
+# every run would rerun everything. Stats and headers only: well under a second on a
+# 595 GB target. Written by the invocation the user started (dry runs too, so that
+# `snakemake -n` shows what a new target reruns), never by a job re-reading the workflow.
+# TARGET_CONFIG_IDENTITY: the same less the weight files, for the stages that read no
+# weight (the dataset, the vocab map): new weights do not rerun them.
+TARGET_IDENTITY = f"{RESULTS}/target/identity.json"
+TARGET_CONFIG_IDENTITY = f"{RESULTS}/target/config_identity.json"
+HAS_TARGET_IDENTITY = not BUILTIN_TARGET and os.path.isdir(TARGET)
+if HAS_TARGET_IDENTITY and workflow.is_main_process:
+    identity_lib.write_identity(TARGET, TARGET_IDENTITY, TARGET_CONFIG_IDENTITY)
+
+
+def target_identity_input(weights=True):
+    """The served target's identity file as an input (``weights=False``: the one without
+    its weight files); nothing for a built-in target (its directory is a rule's output) or
+    one not on this machine (the target input names it)."""
+    if not HAS_TARGET_IDENTITY:
+        return []
+    return TARGET_IDENTITY if weights else TARGET_CONFIG_IDENTITY
 
 
 def dataset_input():
@@ -177,18 +206,21 @@ EXTRACT_INPUTS = dict(
     train=f"{RESULTS}/dataset/train.parquet",
     eval=f"{RESULTS}/dataset/eval.parquet",
     target=target_input(),
+    target_identity=target_identity_input(),
 )
 TRAIN_INPUTS = dict(
     train=f"{RESULTS}/hidden_states/train/manifest.json",
     eval=f"{RESULTS}/hidden_states/eval/manifest.json",
     vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
     target=target_input(),
+    target_identity=target_identity_input(),
 )
 EVALUATE_INPUTS = dict(
     draft=DRAFT_FILES,
     eval_prompts=f"{RESULTS}/dataset/eval_prompts.jsonl",
     eval_manifest=f"{RESULTS}/hidden_states/eval/manifest.json",
     target=target_input(),
+    target_identity=target_identity_input(),
     # Other prompt sets and drafts to compare: rerun when they change.
     prompt_sets=list(EVALUATE["prompt_sets"].values()),
     compare_drafts=[f"{d}/model.safetensors" for d in EVALUATE["compare_drafts"].values()],

@@ -2,6 +2,7 @@ rule prepare_dataset:
     input:
         data=dataset_input(),
         target=target_input(),
+        target_identity=target_identity_input(weights=False),
         # The target's own answers (rules/regenerate.smk) when regenerate.enabled.
         regenerated=REGENERATED or [],
     output:

@@ -4,6 +4,7 @@ rule export_draft:
         draft_config=f"{RESULTS}/train/draft_config.json",
         vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
         target=target_input(),
+        target_identity=target_identity_input(),
     output:
         DRAFT_FILES,
         EXTRA_DRAFT_FILES,

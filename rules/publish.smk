@@ -10,6 +10,7 @@ rule write_model_card:
         dataset_stats=f"{RESULTS}/dataset/stats.json",
         train_eval=f"{RESULTS}/train/eval.json",
         target=target_input(),
+        target_identity=target_identity_input(),
     output:
         card=MODEL_CARD,
     params:

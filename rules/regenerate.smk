@@ -20,6 +20,7 @@ rule regenerate_responses:
     input:
         data=dataset_input(),
         target=target_input(),
+        target_identity=target_identity_input(),
     output:
         responses=f"{REGENERATE_DIR}/responses.jsonl",
         stats=f"{REGENERATE_DIR}/stats.json",
@@ -46,6 +47,7 @@ rule train_original_answers_draft:
     input:
         data=dataset_input(),
         target=target_input(),
+        target_identity=target_identity_input(),
     output:
         f"{ORIGINAL_ANSWERS_DIR}/draft/config.json",
         f"{ORIGINAL_ANSWERS_DIR}/draft/model.safetensors",

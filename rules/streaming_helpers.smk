@@ -60,6 +60,7 @@ def link_inputs(link):
         vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
         stats=f"{RESULTS}/dataset/stats.json",
         target=target_input(),
+        target_identity=target_identity_input(),
     )
     if link > 0:
         inputs["previous"] = consumed_input(link - 1)

@@ -2,6 +2,7 @@ rule build_vocab_map:
     input:
         train=f"{RESULTS}/dataset/train.parquet",
         target=target_input(),
+        target_identity=target_identity_input(weights=False),
     output:
         vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
         stats=f"{RESULTS}/vocab/stats.json",

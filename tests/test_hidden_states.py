@@ -21,6 +21,7 @@ from eagle3flow.extract.extraction import LOADING_LINE
 from eagle3flow.extract.hf import capture, extract
 from eagle3flow.extract.shard_plan import partition_manifest_name
 from eagle3flow.extract.shards import main as shards_main
+from eagle3flow.target.identity import target_digest, target_identity
 from support.builders import write_dataset
 from support.fault_rows import record, yes
 from support.targets import make_random_llama
@@ -203,8 +204,10 @@ def test_corrupt_shards_are_recomputed_alone(tmp_path, random_llama_target, capf
 
 
 def test_fully_cached_rerun_does_not_load_the_model(tmp_path, random_llama_target, capfd):
-    # A private copy of the target whose weights we then overwrite in place with garbage,
-    # keeping size, inode and mtime: loading it would fail, so success = never loaded.
+    # A private copy of the target whose weights' data we then overwrite in place with
+    # zeros, keeping size, header and mtime (what the target's identity cannot see,
+    # eagle3flow/target/identity.py): the same cache key, and hidden states of zeros had
+    # the model been loaded.
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)
     dataset = write_dataset(tmp_path / "train.parquet", 8)
@@ -214,7 +217,9 @@ def test_fully_cached_rerun_does_not_load_the_model(tmp_path, random_llama_targe
     weights = target / "model.safetensors"
     st = weights.stat()
     with open(weights, "r+b") as f:
-        f.write(b"\0" * st.st_size)
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(data_start)
+        f.write(b"\0" * (st.st_size - data_start))
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     (tmp_path / "manifest.json").unlink()
 
@@ -402,9 +407,9 @@ def add_sparse_weight_file(target: Path, gib: int) -> Path:
     return path
 
 
-def test_target_fingerprint_reads_headers_and_samples_not_the_weights(tmp_path, random_llama_target):
-    """A 540 GB checkpoint must not be read (single-threaded, inside the drain) to key the
-    cache: the fingerprint reads each file's header and a few sampled blocks."""
+def test_target_identity_reads_headers_not_the_weights(tmp_path, random_llama_target):
+    """A 595 GB checkpoint must not be read (inside the drain) to key the cache: the
+    identity reads each safetensors file's header and stats it, nothing of its data."""
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)
     add_sparse_weight_file(target, 4)
@@ -412,22 +417,28 @@ def test_target_fingerprint_reads_headers_and_samples_not_the_weights(tmp_path, 
     before, t0 = read_bytes_so_far(), time.monotonic()
     x = extraction.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache", device="cpu")
     read, took = read_bytes_so_far() - before, time.monotonic() - t0
-    assert read < 64 << 20, f"read {read / 2**30:.2f} GiB of weights to fingerprint the target"
-    entry = dict((name, rest) for name, *rest in json.loads((x.shard_dir / "fingerprint.json").read_text())
-                 ["target_weights_fingerprint"])
-    assert entry["model-extra.safetensors"][0] == (target / "model-extra.safetensors").stat().st_size
-    print(f"fingerprint of a 4 GiB target: {took:.2f} s, {read / 2**20:.1f} MiB read")
+    assert read < 64 << 20, f"read {read / 2**30:.2f} GiB of weights to key the cache"
+    entry = target_identity(target)["files"]["model-extra.safetensors"]
+    assert entry["bytes"] == (target / "model-extra.safetensors").stat().st_size and entry["header_sha256"]
+    assert json.loads((x.shard_dir / "fingerprint.json").read_text())["target_identity"] == target_digest(target)
+    print(f"identity of a 4 GiB target: {took:.2f} s, {read / 2**20:.1f} MiB read")
 
 
-def test_target_fingerprint_follows_the_weights_not_the_copy(tmp_path, random_llama_target):
-    """A copy of the same weights (new mtimes) keeps the cache; other weights do not."""
-
+def test_target_identity_follows_the_files_not_the_path(tmp_path, random_llama_target):
+    """A copy keeping the mtimes (cp -a, rsync -a) keeps the cache; a copy with new mtimes
+    cannot be told from a rewrite (no data is hashed) and gets a new one, as do other
+    weights; a model card edit changes nothing."""
     dataset = write_dataset(tmp_path / "train.parquet", 6)
     key = lambda target: extraction.prepare(dataset, target, tmp_path / "m.json", tmp_path / "cache",
                                                device="cpu").key
-    copy = tmp_path / "copy"
-    shutil.copytree(random_llama_target, copy, copy_function=shutil.copyfile)   # new mtimes
-    assert key(copy) == key(random_llama_target)
+    kept = tmp_path / "kept"
+    shutil.copytree(random_llama_target, kept)                                  # copy2: mtimes kept
+    (kept / "README.md").write_text("a model card")
+    assert key(kept) == key(random_llama_target)
+    renewed = tmp_path / "renewed"
+    shutil.copytree(random_llama_target, renewed, copy_function=shutil.copyfile)   # new mtimes
+    os.utime(renewed / "model.safetensors", ns=(0, (kept / "model.safetensors").stat().st_mtime_ns + 10**9))
+    assert key(renewed) != key(random_llama_target)
     retrained = make_random_llama(tmp_path / "retrained", seed=1)
     assert key(retrained) != key(random_llama_target)
 

@@ -8,10 +8,13 @@ runs on the embedded default, which must fail before any job (so before any mode
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -154,6 +157,65 @@ def test_projected_peak_matches_measured_peak_within_10_percent(extraction_run):
 @pytest.fixture(scope="module")
 def embedded_copy(tmp_path_factory):
     return workflow_copy(tmp_path_factory.mktemp("plan_budget") / "wf")
+
+
+# The cache key before the target's identity (eagle3flow/extract/cache.py up to 1ab9b7e):
+# 16 blocks of 64 KiB spread over each weight file's data, the rest never read.
+OLD_SAMPLES, OLD_BLOCK = 16, 1 << 16
+
+
+def tensor_the_old_sampler_never_read(path: Path) -> tuple[str, int, int]:
+    """(name, first byte, end) in the file of a float32 tensor no sampled block touched."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    data_start, size = 8 + length, path.stat().st_size
+    step = (size - data_start - OLD_BLOCK) / (OLD_SAMPLES - 1)
+    blocks = [(data_start + int(step * k), data_start + int(step * k) + OLD_BLOCK) for k in range(OLD_SAMPLES)]
+    for name, spec in sorted(header.items()):
+        if name == "__metadata__" or "lm_head" in name:     # lm_head: not in the hidden states
+            continue
+        start, end = (data_start + o for o in spec["data_offsets"])
+        if spec["dtype"] == "F32" and end - start >= 1024 and all(end <= a or start >= b for a, b in blocks):
+            return name, start, end
+    raise AssertionError(f"{path}: every tensor overlaps a sampled block")
+
+
+def test_a_weight_rewritten_where_the_old_sampler_never_read_reruns_extraction(extraction_run):
+    """The served target's weights change in place (same file, size and header; a tensor the
+    old cache key never read): Snakemake sees the target's identity change and reruns
+    extraction, which computes new hidden states instead of finding the old ones, and not
+    the dataset, which reads no weight; an unchanged target reruns nothing. The last test of extraction_run: it changes its target."""
+    workdir, _ = extraction_run
+    # The extraction job's own manifests (one partition): the merge job adds nothing here.
+    manifests = {split: workdir / "results" / "hidden_states" / split / "part-0-of-1.json" for split in ("train", "eval")}
+    goal = ["--cores", "2", str(manifests["train"].relative_to(workdir))]
+    unchanged = snakemake(workdir, "-n", *goal, timeout=300)
+    assert "Nothing to be done" in unchanged.stdout + unchanged.stderr, (unchanged.stdout + unchanged.stderr)[-3000:]
+    before = {split: json.loads(path.read_text()) for split, path in manifests.items()}
+
+    target = Path(yaml.safe_load((workdir / "config.yaml").read_text())["target"]["path"])
+    weights = target / "model.safetensors"
+    name, start, end = tensor_the_old_sampler_never_read(weights)
+    stat = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(start)
+        tripled = np.frombuffer(f.read(end - start), dtype=np.float32) * 3.0
+        f.seek(start)
+        f.write(tripled.tobytes())
+    assert weights.stat().st_size == stat.st_size
+    # a filesystem's mtime may be coarse: the rewrite is at least a second later
+    os.utime(weights, ns=(stat.st_atime_ns, max(weights.stat().st_mtime_ns, stat.st_mtime_ns + 10**9)))
+
+    rerun = snakemake(workdir, *goal, timeout=600)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
+    ran = rerun.stdout + rerun.stderr
+    assert "rule extract_hidden_states" in ran, (name, ran[-3000:])
+    assert "rule prepare_dataset" not in ran, ran[-3000:]      # it reads no weight
+    for split in ("train", "eval"):
+        after = json.loads(manifests[split].read_text())
+        assert after["fingerprint"] != before[split]["fingerprint"], (split, name)
+        assert ([s["sha256"] for s in after["shards"]] != [s["sha256"] for s in before[split]["shards"]]), (split, name)
 
 
 def test_too_small_budget_is_refused_by_a_dry_run_with_what_would_fit(embedded_copy):

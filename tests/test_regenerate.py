@@ -452,12 +452,14 @@ class FakeChatServer:
 
     model = "fake-target"
 
-    def __init__(self):
+    def __init__(self, root: str | None = None, reply: str = "An answer."):
         import http.server
         import threading
 
         self.requests: list[dict] = []
         self.authorizations: list[str | None] = []
+        # what it lists as the model's root at /v1/models (vLLM: the path it loaded)
+        self.root, self.reply = root, reply
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -474,7 +476,8 @@ class FakeChatServer:
 
             def do_GET(self):
                 server.authorizations.append(self.headers.get("Authorization"))
-                self._json({"object": "list", "data": [{"id": server.model, "object": "model"}]})
+                listed = {"id": server.model, "object": "model"} | ({"root": server.root} if server.root else {})
+                self._json({"object": "list", "data": [listed]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -488,10 +491,52 @@ class FakeChatServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def answer(self, request: dict) -> dict:
-        return {"role": "assistant", "content": "An answer."}
+        return {"role": "assistant", "content": self.reply}
 
     def close(self):
         self.httpd.shutdown()
+
+
+def test_the_same_served_name_over_another_model_asks_again(tmp_path, request):
+    """Production upgraded under the same --served-model-name: the cache is keyed by what the
+    server serves (its /v1/models root, and the target's identity when that root is the
+    target directory), so the new model is asked again; the same model is not."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Old."}]}) + "\n"
+        for i in range(3)))
+    target = tmp_path / "Kimi-K2.5-INT4"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    weights = target / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}}).encode()
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+
+    # One server process-wide whose model changes under the same name (one shutdown: 0.5 s each).
+    server = FakeChatServer()
+    args = ["--input", str(data), "--out-dir", str(tmp_path / "out"), "--cache-root", str(tmp_path / "cache"),
+            "--config-json", json.dumps({"base_url": server.url, "max_tokens": 8, "reasoning": "drop"})]
+
+    def ask(root: str, reply: str, tokenizer: Path | None = None) -> tuple[list[dict], list[str]]:
+        server.root, server.reply, server.requests = root, reply, []
+        assert main(args + (["--tokenizer", str(tokenizer)] if tokenizer else [])) == 0
+        answers = [row["messages"][1]["content"] for row in read_rows(tmp_path / "out" / "responses.jsonl")]
+        return server.requests, answers
+
+    request.addfinalizer(server.close)
+    sent, answers = ask("/models/old", "from the old model")
+    assert len(sent) == 3 and set(answers) == {"from the old model"}
+    assert ask("/models/old", "unasked") == ([], ["from the old model"] * 3)      # cached
+    sent, answers = ask("/models/new", "from the new model")                     # same name, another model
+    assert len(sent) == 3 and set(answers) == {"from the new model"}
+
+    # Served from the target directory itself: the same path with new weights is another model.
+    sent, answers = ask(str(target), "first weights", tokenizer=target)
+    assert len(sent) == 3 and ask(str(target), "unasked", tokenizer=target)[0] == []
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")     # same size and header
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    sent, answers = ask(str(target), "new weights", tokenizer=target)
+    assert len(sent) == 3 and set(answers) == {"new weights"}
 
 
 class ToolCallingServer(FakeChatServer):

@@ -79,8 +79,10 @@ class ChatClient:
         except ValueError as error:  # a 200 whose body is not JSON
             raise Transient(f"invalid JSON from {path}: {error}") from error
 
-    def models(self) -> list[str]:
-        return [m["id"] for m in self._request("/v1/models", timeout=30).get("data", [])]
+    def models(self) -> dict[str, str | None]:
+        """Served name -> what it serves: the ``root`` vLLM and SGLang list for a model (the
+        path or Hub id it was loaded from), None where the server lists none."""
+        return {m["id"]: m.get("root") for m in self._request("/v1/models", timeout=30).get("data", [])}
 
     def chat(self, body: dict) -> dict:
         return self._request("/v1/chat/completions", body)

@@ -32,8 +32,10 @@ any other 4xx fails that prompt at once.
 
 Resume: each finished conversation is appended (one JSON line, flushed) to
 ``<cache>/<fingerprint>/responses.jsonl``, keyed by sample id and a hash of its
-prompt turns; the fingerprint covers what determines the answers (model, sampling,
-reasoning form, template kwargs), not the URL or the concurrency. A rerun sends only
+prompt turns; the fingerprint covers what determines the answers (what the server
+serves: its ``root`` at /v1/models, and the target's identity when that root is the
+target directory, not only the served name; sampling, reasoning form, template kwargs),
+not the URL or the concurrency. A rerun sends only
 the conversations not in the cache. Failed prompts are not cached (a rerun retries
 them); the stage fails once they exceed ``max_failed_fraction`` of the prompts,
 else they are listed with their reason and skipped.
@@ -79,6 +81,7 @@ from eagle3flow.data.records import tool_calls_for_templates
 from eagle3flow.data.regenerated import more_answer_id
 from eagle3flow.progress import Progress
 from eagle3flow.serving.vllm_server import ServerError, resolve_serve_dtype, serve_target
+from eagle3flow.target.identity import target_digest
 
 # What determines the answers: a change starts a new cache directory.
 FINGERPRINT_KEYS = ("model", "temperature", "top_p", "max_tokens", "seed", "reasoning", "extra_body")
@@ -90,9 +93,10 @@ class RegenerateError(RuntimeError):
     """The stage cannot go on (server unreachable, wrong model, too many failures)."""
 
 
-def check_server(client: ChatClient, model: str | None, url: str, api_key_env: str) -> str:
-    """The model name to request; fails clearly when the server is down, rejects the
-    token or does not serve ``model`` (None: the server's only model)."""
+def check_server(client: ChatClient, model: str | None, url: str, api_key_env: str) -> tuple[str, str | None]:
+    """The model name to request and what the server serves under it (its ``root`` at
+    /v1/models, None when it lists none); fails clearly when the server is down, rejects
+    the token or does not serve ``model`` (None: the server's only model)."""
     where = redact_url(url)
     try:
         served = client.models()
@@ -104,15 +108,29 @@ def check_server(client: ChatClient, model: str | None, url: str, api_key_env: s
     except Transient as error:
         raise RegenerateError(f"cannot reach the target's server at {where} ({error.reason}); is it "
                               f"up? Set regenerate.base_url (or ${URL_ENV}) to its URL") from None
+    names = list(served)
     if model is None:
-        if len(served) != 1:
-            raise RegenerateError(f"the server at {where} serves {served}: set regenerate.model "
+        if len(names) != 1:
+            raise RegenerateError(f"the server at {where} serves {names}: set regenerate.model "
                                   "(or $" + MODEL_ENV + ") to the target's name")
-        return served[0]
+        model = names[0]
     if model not in served:
         raise RegenerateError(f"the server at {where} does not serve model {model!r}; it serves "
-                              f"{served}: set regenerate.model (or ${MODEL_ENV}) to one of them")
-    return model
+                              f"{names}: set regenerate.model (or ${MODEL_ENV}) to one of them")
+    return model, served[model]
+
+
+def served_identity(root: str | None, target_dir: str | None) -> dict:
+    """What the cache is keyed by besides the settings: what the server serves, not the
+    name it serves it under (production upgraded under the same --served-model-name must
+    be asked again). Its ``root``; and, when that is the target directory this stage was
+    given (the workflow's own server of it, or production serving target.path), the
+    target's identity (eagle3flow/target/identity.py): the same path rewritten with new
+    weights is another model."""
+    key = {"served_root": root}
+    if root and target_dir and Path(root).is_dir() and Path(root).resolve() == Path(target_dir).resolve():
+        key["target_identity"] = target_digest(target_dir)
+    return key
 
 
 # ---------------------------------------------------------------- one conversation
@@ -286,9 +304,11 @@ def jobs_for(conversations: list[tuple[str, list[dict]]], cfg: dict) -> list[Job
             for sid, msgs in conversations]
 
 
-def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict, served_dtype: str | None = None) -> str:
+def fingerprint(cfg: dict, model: str, form: str, template_kwargs: dict, served_dtype: str | None = None,
+                served: dict | None = None) -> str:
+    """``served``: :func:`served_identity` of the server's model."""
     keys = {k: cfg[k] for k in FINGERPRINT_KEYS}
-    keys.update(model=model, reasoning=form, chat_template_kwargs=template_kwargs)
+    keys.update(model=model, reasoning=form, chat_template_kwargs=template_kwargs, **(served or {}))
     if served_dtype is not None:    # the stage serves the target itself, in this dtype
         keys["served_dtype"] = served_dtype
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
@@ -330,10 +350,15 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     client = ChatClient(base_url, api_key, cfg["request_timeout_s"], cfg["max_concurrency"])
     form = reasoning_form(cfg["reasoning"], tokenizer_dir)
     model_setting = cfg["model"] or os.environ.get(MODEL_ENV) or None
-    # The model name is part of the fingerprint, so without one the server must be asked
-    # even on a rerun with everything cached.
-    model = check_server(client, model_setting, base_url, cfg["api_key_env"])
-    cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs, served_dtype)
+    # What the server serves is part of the fingerprint, so the server is asked even on a
+    # rerun with everything cached.
+    model, root = check_server(client, model_setting, base_url, cfg["api_key_env"])
+    if root is None:
+        print(f"regenerate: the server at {redact_url(base_url)} lists no root for {model!r} at /v1/models: "
+              "its cache is keyed by the name alone, so after another model is served under that "
+              "name, delete the cache folder named below", file=sys.stderr, flush=True)
+    served = served_identity(root, tokenizer_dir)
+    cache_dir = Path(cache_root) / fingerprint(cfg, model, form, template_kwargs, served_dtype, served)
     cache = ResponseCache(cache_dir / "responses.jsonl")
     jobs = jobs_for(conversations, cfg)
     todo = [job for job in jobs if cache.entries.get(job.id, {}).get("prompt_sha") != job.sha]
@@ -405,7 +430,8 @@ def regenerate(conversations: list[tuple[str, list[dict]]], out_dir: str | Path,
     progress.close()
 
     stats = _write_outputs(conversations, int(cfg["answers_per_prompt"]), cache.entries, failures, out_dir, {
-        "server": {"url": redact_url(base_url), "model": model} | ({"dtype": served_dtype} if served_dtype else {}),
+        "server": {"url": redact_url(base_url), "model": model, **served}
+        | ({"dtype": served_dtype} if served_dtype else {}),
         "settings": {k: cfg[k] for k in FINGERPRINT_KEYS if k != "model"} | {
             "reasoning": form, "chat_template_kwargs": template_kwargs,
             "answers_per_prompt": cfg["answers_per_prompt"], "extra_temperature": cfg["extra_temperature"]},

@@ -1,8 +1,8 @@
 """The hidden-state cache: its key, and the finished shards it can reuse.
 
 Shards live under ``cache_root/<fingerprint>/``, the fingerprint being a hash of
-everything that changes their bytes (:func:`fingerprint`; the target's weights
-through :func:`target_weights_fingerprint`). A shard on disk is reused only when
+everything that changes their bytes (:func:`fingerprint`; the target's weights through
+its identity, eagle3flow/target/identity.py). A shard on disk is reused only when
 :func:`cached_entry` verifies it against the plan and its recorded sha256, and
 :func:`shard_sample_ids` lets a run check it holds the planned samples.
 """
@@ -35,37 +35,6 @@ def weight_files(target_path: Path) -> list[Path]:
                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
-# The target's weights enter the cache key through a cheap fingerprint, not a hash of
-# their content (minutes on a 540 GB checkpoint, single-threaded, inside the drain):
-# per file its size, the sha256 of its safetensors header (tensor names, dtypes, shapes,
-# offsets) and of FINGERPRINT_SAMPLES blocks of FINGERPRINT_BLOCK bytes spread over its
-# data (any retraining changes them), read by a thread pool and remembered by (path,
-# size, mtime, inode). No mtime in the key itself: a copy of the same weights (cp -r, a
-# restore from backup) keeps its fingerprint, so finished shards are never recomputed
-# for it.
-FINGERPRINT_SAMPLES = 16
-FINGERPRINT_BLOCK = 1 << 16
-FINGERPRINT_THREADS = 8
-
-
-def weight_file_fingerprint(path: Path) -> dict:
-    """``{"bytes", "header_sha256", "sampled_sha256"}`` of one weight file (a few MiB read)."""
-    size = path.stat().st_size
-    header, data_start = b"", 0
-    with open(path, "rb") as f:
-        if path.name.endswith(".safetensors") and size >= 8:
-            length = int.from_bytes(f.read(8), "little")
-            if 0 < length <= min(size - 8, 1 << 30):
-                header, data_start = f.read(length), 8 + length
-        sampled = hashlib.sha256()
-        span = max(0, size - data_start - FINGERPRINT_BLOCK)
-        for k in range(FINGERPRINT_SAMPLES):
-            f.seek(data_start + (span * k // max(1, FINGERPRINT_SAMPLES - 1) if span else 0))
-            sampled.update(f.read(FINGERPRINT_BLOCK))
-    return {"bytes": size, "header_sha256": hashlib.sha256(header).hexdigest() if header else None,
-            "sampled_sha256": sampled.hexdigest()}
-
-
 def _file_stamp(path: Path) -> list[int]:
     """What says a file is unchanged without reading it: (size, mtime, inode)."""
     st = path.stat()
@@ -79,27 +48,6 @@ def _read_memo(memo_file: Path) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def target_weights_fingerprint(target_path: Path, cache_root: Path) -> list[list]:
-    """``[[file name, bytes, header sha256, sampled sha256], ...]`` of every weight file,
-    in parallel, remembered in ``cache_root/weights_fingerprint.json`` by (path, size,
-    mtime, inode): a rerun only stats the files."""
-    files = weight_files(target_path)
-    memo_file = cache_root / "weights_fingerprint.json"
-    memo = _read_memo(memo_file)
-    stamps = {p: _file_stamp(p) for p in files}
-    todo = [p for p in files if (memo.get(str(p.resolve())) or {}).get("stamp") != stamps[p]]
-    if todo:
-        with ThreadPoolExecutor(max_workers=min(FINGERPRINT_THREADS, len(todo))) as pool:
-            for p, fp in zip(todo, pool.map(weight_file_fingerprint, todo)):
-                memo[str(p.resolve())] = {"stamp": stamps[p], **fp}
-        write_json(memo_file, memo)
-    out = []
-    for p in files:
-        m = memo[str(p.resolve())]
-        out.append([p.name, m["bytes"], m["header_sha256"], m["sampled_sha256"]])
-    return out
 
 
 def cached_sha256(path: Path, cache_root: Path) -> str:

@@ -23,12 +23,13 @@ from eagle3flow.device import resolve_device
 from eagle3flow.atomic import sweep_stale_temporaries, write_json
 from eagle3flow.extract import shards
 from eagle3flow.extract.cache import (WEIGHT_SUFFIXES, cached_entries, cached_sha256, fingerprint,
-                                      shard_sample_ids, target_weights_fingerprint, weight_files)
+                                      shard_sample_ids, weight_files)
 from eagle3flow.extract.dataset_scan import DatasetScan, iter_dataset, row_ids, scan_dataset
 from eagle3flow.extract.shard_plan import ShardPlan, plan_partitions, plan_shards
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.progress import Progress
 from eagle3flow.target.config import load_target_config
+from eagle3flow.target.identity import target_digest
 from eagle3flow.target.remote_code import check_remote_code
 
 # Bump when the way shards are computed changes, so old caches are not reused.
@@ -193,7 +194,10 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
         "format": shards.FORMAT, "extractor_version": EXTRACTOR_VERSION,
         "dataset_sha256": cached_sha256(dataset_parquet, cache_root),
         "target_config_sha256": shards.sha256_file(target_path / "config.json"),
-        "target_weights_fingerprint": target_weights_fingerprint(target_path, cache_root),
+        # Every weight file's size, mtime and header (eagle3flow/target/identity.py): the
+        # identity the workflow reruns this stage by, so a rerun for a new target never
+        # finds the old target's shards.
+        "target_identity": target_digest(target_path),
         "aux_layer_ids": aux_layer_ids, "dtype": dtype_name, "device_type": torch_device.type,
         # Batch composition changes padding and so the last bits of the results. The
         # partition count does not enter: partitions share one plan and one cache.

@@ -23,7 +23,7 @@ import torch
 from eagle3flow.atomic import sync_directory, temporary_sibling
 from eagle3flow.extract.shards import Manifest, sha256_file
 from eagle3flow.target.config import load_target_config
-from eagle3flow.target.weights import tensor_locations
+from eagle3flow.target.identity import target_digest
 from eagle3flow.train.config import NOT_FINGERPRINTED
 
 # Bumped whenever the batch plan or the loss changes, so no run resumes from a
@@ -36,14 +36,15 @@ def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: st
     """``chain``: the chained-run settings (init checkpoint identity, schedule tokens, data
     epoch); left out of the key when None so an unchained run keeps its fingerprint."""
     target_path = Path(target_path)
-    files = sorted({p.name for p in tensor_locations(target_path).values()})
     key = {
         "trainer_version": TRAINER_VERSION,
         "train_shards": [s["sha256"] for s in train_manifest.data["shards"]],
         "aux_layer_ids": train_manifest.aux_layer_ids,
         "vocab_map": sha256_file(vocab_map),
         "target_config": load_target_config(target_path),
-        "target_files": [(f, (target_path / f).stat().st_size) for f in files],
+        # The teacher's lm_head comes from the target: every weight file's size, mtime and
+        # header (eagle3flow/target/identity.py), so a new target never resumes an old run.
+        "target_identity": target_digest(target_path),
         "config": {k: v for k, v in config.items() if k not in NOT_FINGERPRINTED},
     }
     if chain:
