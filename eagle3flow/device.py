@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from eagle3flow.procfs import usable_cores
+
 
 def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.device:
     """``auto`` -> ``cuda`` if available else ``cpu``; any other name as torch spells it.
@@ -32,13 +34,6 @@ def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.d
         device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: taskset, cgroups, SLURM), where
-    the platform says (Linux); else every core."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
 
 
 def limit_cpu_threads() -> int:

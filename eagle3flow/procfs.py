@@ -224,3 +224,10 @@ def signal_on_parent_death(sig: int = signal.SIGTERM) -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups, SLURM), where
+    the platform says (Linux); else every core."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)

@@ -35,7 +35,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3flow.atomic import replacing, write_text
-from eagle3flow.device import usable_cores
+from eagle3flow.procfs import usable_cores
 from eagle3flow.embedded.corpus import build_corpus, read_conversations
 from eagle3flow.embedded.tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
 from eagle3flow.progress import Progress

@@ -17,16 +17,20 @@ from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, l
                                         stage_outputs_exist)
 from eagle3flow.ops.plan.throughput import (extract_backend, extract_devices, measured_throughputs,
                                             profile_key, recorded_throughputs)
-from eagle3flow.ops.plan.workload import (EMBEDDED_BUILD_S_PER_STEP, EMBEDDED_JSONL_BYTES_PER_TOKEN,
+from eagle3flow.ops.plan.workload import (EMBEDDED_BUILD_STEP_TOKENS, EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE,
+                                          EMBEDDED_JSONL_BYTES_PER_TOKEN,
                                           EMBEDDED_TOKENS_PER_CONVERSATION, PARQUET_BYTES_PER_TOKEN,
                                           serving_rate, target_config, workload)
 from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
+from eagle3flow.procfs import usable_cores
 
-# Effective FLOP/s when nothing is measured: CPU from the embedded default's extraction
-# (2 x 4.7M params x 2,900 tokens/s) and training (6 x 0.76M x 7 x 1,500 tokens/s);
-# GPU an assumed 40% of a dense bf16 H100/H200 per GPU.
-ASSUMED_FLOPS = {("cpu", "extract"): 2.7e10, ("cpu", "train"): 4.8e10,
+# Effective FLOP/s when nothing is measured: CPU per core the job holds, from `make demo`
+# on 2 AVX2 cores (extraction 2 x 4.7M params x 9,900 tokens/s, training 6 x 0.76M x 7 x
+# 3,480 tokens/s, each on both cores); GPU an assumed 40% of a dense bf16 H100/H200 per GPU.
+ASSUMED_FLOPS = {("cpu", "extract"): 4.6e10, ("cpu", "train"): 5.5e10,
                  ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
+# A stage process's start before its first token: Python, torch, the target or the shards.
+ASSUMED_STAGE_START_S = 10.0
 # Seconds of the small stages when this directory has never run them.
 ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0, "built-in prompts": 5.0}
 ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
@@ -81,8 +85,10 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
             return measured[key], "last run in results/"
         on = (f" on {devices[stage]} GPU(s)" + (f", {backend} backend" if stage == "extract" else "")
               if gpus else "")
-        flops = ASSUMED_FLOPS[(device_class, stage)] * max(devices[stage], 1)
-        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on}"
+        # On the CPU a compute job holds every core of the node (rules/common.smk COMPUTE_THREADS).
+        units = devices[stage] if gpus else usable_cores()
+        flops = ASSUMED_FLOPS[(device_class, stage)] * max(units, 1)
+        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on or f' on {units} core(s)'}"
 
     def scaled_seconds(rule: str, now_tokens: float, fallback: float, fallback_basis: str):
         """A small stage's seconds from its last benchmark, scaled by tokens when known."""
@@ -107,8 +113,9 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     elif config["target"]["path"] is None:
         emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
         b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
-        s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_S_PER_STEP,
-                               f"assumed {EMBEDDED_BUILD_S_PER_STEP}s/step")
+        build_rate = EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE * usable_cores()
+        s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_STEP_TOKENS / build_rate,
+                               f"assumed {build_rate:,} tokens/s ({EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE:,} per core)")
         proj["embedded target"] = (b, f"{total_params / 1e6:.1f}M fp32 params + conversations", s, sb)
     if (config.get("regenerate") or {}).get("enabled"):
         regen = work.get("regenerate") or {}
@@ -125,7 +132,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     hs_bytes = tokens * per_token + samples * 40
     r, rb = rate("extract", 2 * active_params)
     proj["extract"] = (hs_bytes, f"{tokens:,} tokens x {per_token:,} B ({aux}+1 x {hidden} x {dtype})",
-                       tokens / r + load_s, f"{r:,.0f} tokens/s, {rb}" + load_basis)
+                       tokens / r + load_s + ASSUMED_STAGE_START_S,
+                       f"{r:,.0f} tokens/s, {rb}" + load_basis + f" + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
     keep = int(train_cfg.get("keep_checkpoints", 2))
@@ -136,7 +144,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     proj["train"] = ((keep + 1) * checkpoint + draft_params * 4 + metrics_bytes,
                      f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
                      f"({train_cfg['optimizer']}) x ({keep}+1) checkpoints + weights",
-                     train_tokens / r, f"{r:,.0f} tokens/s, {rb}")
+                     train_tokens / r + ASSUMED_STAGE_START_S,
+                     f"{r:,.0f} tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
                       f"draft in {'float32' if export_bytes_per_param == 4 else 'bfloat16'}",
                       *scaled_seconds("export_draft", 0, ASSUMED_SECONDS["export"], "assumed"))

@@ -14,15 +14,17 @@ from eagle3flow.ops.streaming import read_json
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.shapes import SHAPES
 
-# Measured on the embedded default (2 cores): the stdlib-docstring corpus gives about
-# 59.4 tokens per requested conversation (237,744 for 4,000), its JSONL ~5.3 bytes per
-# token; the tokenized parquet ~1.7 bytes per token; the target build takes ~1.76 s
-# per pre-training step.
-EMBEDDED_TOKENS_PER_CONVERSATION = 59.4
-EMBEDDED_JSONL_BYTES_PER_TOKEN = 5.26
+# Measured on `make demo` (the embedded default, 2 AVX2 cores, 2026-12-03): 4,000
+# conversations render to 647,045 tokens with the chat template (161.8 each, what
+# extraction and training count), their JSONL 4.3 bytes per token, the tokenized parquet
+# 1.2; the target build trains at ~1,600 tokens/s per core (1,600 steps of 1,024 tokens
+# in 512 s on 2 threads).
+EMBEDDED_TOKENS_PER_CONVERSATION = 161.8
+EMBEDDED_JSONL_BYTES_PER_TOKEN = 4.3
 RAW_BYTES_PER_TOKEN = 4.0          # a raw chat JSON/JSONL file, roughly, when nothing is measured
-PARQUET_BYTES_PER_TOKEN = 1.7
-EMBEDDED_BUILD_S_PER_STEP = 1.76
+PARQUET_BYTES_PER_TOKEN = 1.2
+EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE = 1600
+EMBEDDED_BUILD_STEP_TOKENS = 4 * 256     # eagle3flow/embedded/build.py TrainOptions: batch_size x block_size
 ASSUMED_SERVER_TOKENS_PER_S = 2000
 # The target's own answers (regenerate.enabled), before any answer exists: an answer
 # fills this fraction of regenerate.max_tokens (measured: SmolLM2-135M, max_tokens 128,
