@@ -20,21 +20,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3flow.procfs import pid_alive
+
 
 def temporary_sibling(path: Path) -> Path:
     """A hidden name next to ``path`` that no other process writes (hosts share caches)."""
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def _writer_gone(pid: int) -> bool:
-    """Whether no process ``pid`` exists here (a live one, even another user's, may still write)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def sweep_stale_temporaries(directory: str | os.PathLike) -> list[tuple[Path, int]]:
@@ -48,7 +39,7 @@ def sweep_stale_temporaries(directory: str | os.PathLike) -> list[tuple[Path, in
     removed = []
     for path in sorted(directory.iterdir()) if directory.is_dir() else []:
         match = pattern.fullmatch(path.name)
-        if not match or not _writer_gone(int(match.group(1))):
+        if not match or pid_alive(int(match.group(1))):
             continue
         try:
             if path.is_dir() and not path.is_symlink():

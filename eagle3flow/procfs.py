@@ -70,6 +70,18 @@ def is_zombie(pid: int) -> bool:
     return fields is not None and fields[0] == "Z"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists here and has not ended: a zombie (ended, not yet
+    reaped) is dead; another user's process is alive. Works without /proc (signal 0)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not is_zombie(pid)
+
+
 def live_group_members(pgid: int) -> list[int]:
     """Pids of process group ``pgid`` that still run (zombies excluded: a group made
     only of zombies has ended, although killpg still finds it)."""

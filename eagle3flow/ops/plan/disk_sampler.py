@@ -5,14 +5,13 @@ sample-disk``. No torch."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.procfs import is_zombie
+from eagle3flow.procfs import pid_alive
 from eagle3flow.ops.plan.sizes import tree_bytes
 
 
@@ -33,17 +32,6 @@ def sample_disk(paths: list[str], out: Path, pid: int, interval: float = 1.0) ->
                               "samples": samples, "paths": paths, "finished": True})
             return peak
         time.sleep(interval)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (our parent exited but was not reaped) is dead too.
-    return not is_zombie(pid)
 
 
 def start_sampler(paths: list[str], out: Path, pid: int, interval: float, log: Path) -> subprocess.Popen:
