@@ -45,7 +45,7 @@ include: "rules/preflight.smk"
 rule all:
     input:
         DRAFT_FILES,
-        f"{RESULTS}/eval/summary.json",
+        LAYOUT.eval_summary,
         rules.build_report.output,
         MODEL_CARD,
     default_target: True
@@ -62,7 +62,7 @@ onstart:
 
 onsuccess:
     restore_service("the workflow finished")
-    print_summary(f"{RESULTS}/eval/summary.json", f"{RESULTS}/draft")
+    print_summary(LAYOUT.eval_summary, LAYOUT.draft_dir())
     print_downtime()
     finish_plan()
 

@@ -233,6 +233,8 @@ REGENERATE_BORROWED = {"format": "dataset.format", "dataset_seed": "dataset.seed
                        **TARGET_BORROWED}
 # The evaluation (the target's tokenizer, vLLM, the replay).
 EVALUATE_BORROWED = dict(TARGET_BORROWED)
+# The speculators format names the K that `vllm serve <draft>` uses.
+EXPORT_BORROWED = {"speculative_tokens": "evaluate.num_speculative_tokens"}
 # The model card (it says the run trusted the target's code, and its serving commands do).
 MODEL_CARD_BORROWED = dict(TARGET_BORROWED)
 # Borrowed keys a workflow command carries only when set (not at the schema's default,
@@ -270,6 +272,11 @@ def regenerate_stage_settings(config: dict) -> dict:
     (REGENERATE_URL_ENV), and REGENERATE_BORROWED."""
     settings = {k: v for k, v in config["regenerate"].items() if k not in ("enabled", "compare_original_answers")}
     return {**settings, "base_url": None, **borrowed_values(config, REGENERATE_BORROWED)}
+
+
+def export_stage_settings(config: dict) -> dict:
+    """export_draft's --config-json: the export section and EXPORT_BORROWED."""
+    return {**config["export"], **borrowed_values(config, EXPORT_BORROWED)}
 
 
 def model_card_settings(config: dict) -> dict:

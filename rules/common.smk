@@ -10,6 +10,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from eagle3flow import config as config_lib
+from eagle3flow.layout import Layout
 from eagle3flow.layers import normalize_aux_layer_ids as normalize_layer_ids
 from eagle3flow.model.config import check_override_keys
 from eagle3flow.ops import plan as plan_lib
@@ -43,37 +44,37 @@ def start_run():
     if REGENERATE_URL:
         os.environ[config_lib.REGENERATE_URL_ENV] = REGENERATE_URL
 
-RESULTS = config["paths"]["results"]
-CACHE = config["paths"]["cache"]
-LOGS = config["paths"]["logs"]
-BENCHMARKS = f"{RESULTS}/benchmarks"
+# Every artifact's path (eagle3flow/layout.py); a rule names its own log and benchmark.
+LAYOUT = Layout.of(config)
+LOGS = LAYOUT.logs
+BENCHMARKS = LAYOUT.benchmarks
+# The one conda environment the rules name, with .venv's pins (envs/eagle3flow.yaml); .venv is what runs.
+CONDA_ENV = "../envs/eagle3flow.yaml"
 
-EMBEDDED_DIR = f"{RESULTS}/embedded"
-PRETRAINED_TARGET = f"{RESULTS}/pretrained/target"
-BUILTIN_PROMPTS = f"{RESULTS}/prompts/builtin_prompts.jsonl"
+PRETRAINED_TARGET = LAYOUT.pretrained_target
+BUILTIN_PROMPTS = LAYOUT.builtin_prompts
 # The target this workflow builds itself (target.path null), or None for a served one.
 BUILTIN_TARGET = config_lib.builtin_target(config)
 USES_EMBEDDED_TARGET = BUILTIN_TARGET == "embedded"
-TARGET = config_lib.target_path(config, {"embedded": f"{EMBEDDED_DIR}/target",
+TARGET = config_lib.target_path(config, {"embedded": LAYOUT.embedded_target,
                                          "smollm2-135m": PRETRAINED_TARGET})
 # No dataset: the embedded target's own conversations, else prompts the target answers.
 USES_BUILTIN_PROMPTS = config_lib.uses_builtin_prompts(config)
-DATASET = config_lib.dataset_path(config, BUILTIN_PROMPTS, f"{EMBEDDED_DIR}/conversations.jsonl")
+DATASET = config_lib.dataset_path(config, BUILTIN_PROMPTS, LAYOUT.embedded_conversations)
 config_lib.check_workflow_config(config)
 check_override_keys(config["train"]["draft"])
-REGENERATE_DIR = f"{RESULTS}/regenerate"
 # The target's own answers (rules/regenerate.smk), which prepare_dataset takes when enabled.
-REGENERATED = f"{REGENERATE_DIR}/responses.jsonl" if config["regenerate"]["enabled"] else None
+REGENERATED = LAYOUT.regenerated if config["regenerate"]["enabled"] else None
 REGENERATE_URL = config_lib.regenerate_url(config)
-ORIGINAL_ANSWERS_DIR = f"{RESULTS}/original_answers"
+ORIGINAL_ANSWERS_DIR = LAYOUT.original_answers_dir
 config_lib.add_original_answers_draft(config, f"{ORIGINAL_ANSWERS_DIR}/draft")
-DRAFT_FILES = [f"{RESULTS}/draft/config.json", f"{RESULTS}/draft/model.safetensors"]
+DRAFT_FILES = [f"{LAYOUT.draft_dir()}/config.json", f"{LAYOUT.draft_dir()}/model.safetensors"]
 # export.formats: the first is results/draft/, the others results/draft-<format>/.
-DRAFT_DIRS = {fmt: f"{RESULTS}/draft" + ("" if i == 0 else f"-{fmt}")
+DRAFT_DIRS = {fmt: LAYOUT.draft_dir(i, fmt)
               for i, fmt in enumerate(config["export"]["formats"])}
 EXTRA_DRAFT_FILES = [f"{path}/{name}" for fmt, path in list(DRAFT_DIRS.items())[1:]
                      for name in ("config.json", "model.safetensors")]
-MODEL_CARD = f"{RESULTS}/draft/README.md"
+MODEL_CARD = LAYOUT.model_card
 GPUS = config["resources"]["gpus"]
 # The cores a local job may take (a cluster profile sets no total: --cores).
 LOCAL_CORES = workflow.resource_settings.cores or workflow.resource_settings.local_cores or 1
@@ -86,15 +87,15 @@ DRAIN = config["drain"]
 # This run's drain records (downtime.json, the drain flags); the unit's session lives in
 # the unit's one state folder on the host (eagle3flow/ops/drain/state.py), None while
 # drain.unit is unset (the drain job then says what to set).
-SERVICE_DIR = f"{RESULTS}/service"
+SERVICE_DIR = LAYOUT.service_dir
 try:
     UNIT_STATE_DIR = str(unit_state_dir(DRAIN)) if DRAIN["enabled"] and DRAIN["unit"] else None
 except ServiceError as error:
     raise WorkflowError(str(error))
 # The checks that need no GPU passed (rules/preflight.smk): `snakemake preflight` writes
 # PREFLIGHT_OK; each drain job waits for its own, PREFLIGHT_FOR_DRAIN with its stage and key.
-PREFLIGHT_OK = f"{RESULTS}/preflight/ok.json"
-PREFLIGHT_FOR_DRAIN = f"{RESULTS}/preflight/ok_for_{{stage}}.{{key}}.json"
+PREFLIGHT_OK = LAYOUT.preflight_ok
+PREFLIGHT_FOR_DRAIN = LAYOUT.preflight_for_drain
 
 
 def normalize_aux_layer_ids():
@@ -162,8 +163,8 @@ def target_input():
 # `snakemake -n` shows what a new target reruns), never by a job re-reading the workflow.
 # TARGET_CONFIG_IDENTITY: the same less the weight files, for the stages that read no
 # weight (the dataset, the vocab map): new weights do not rerun them.
-TARGET_IDENTITY = f"{RESULTS}/target/identity.json"
-TARGET_CONFIG_IDENTITY = f"{RESULTS}/target/config_identity.json"
+TARGET_IDENTITY = LAYOUT.target_identity
+TARGET_CONFIG_IDENTITY = LAYOUT.target_config_identity
 HAS_TARGET_IDENTITY = not BUILTIN_TARGET and os.path.isdir(TARGET)
 if HAS_TARGET_IDENTITY and workflow.is_main_process:
     identity_lib.write_identity(TARGET, TARGET_IDENTITY, TARGET_CONFIG_IDENTITY)
@@ -203,22 +204,22 @@ def json_arg(section):
 
 # What each GPU job waits for: its rule's inputs, and its drain job's (rules/drain_helpers.smk).
 EXTRACT_INPUTS = dict(
-    train=f"{RESULTS}/dataset/train.parquet",
-    eval=f"{RESULTS}/dataset/eval.parquet",
+    train=LAYOUT.dataset("train.parquet"),
+    eval=LAYOUT.dataset("eval.parquet"),
     target=target_input(),
     target_identity=target_identity_input(),
 )
 TRAIN_INPUTS = dict(
-    train=f"{RESULTS}/hidden_states/train/manifest.json",
-    eval=f"{RESULTS}/hidden_states/eval/manifest.json",
-    vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+    train=LAYOUT.hidden_states_manifest("train"),
+    eval=LAYOUT.hidden_states_manifest("eval"),
+    vocab_map=LAYOUT.vocab_map,
     target=target_input(),
     target_identity=target_identity_input(),
 )
 EVALUATE_INPUTS = dict(
     draft=DRAFT_FILES,
-    eval_prompts=f"{RESULTS}/dataset/eval_prompts.jsonl",
-    eval_manifest=f"{RESULTS}/hidden_states/eval/manifest.json",
+    eval_prompts=LAYOUT.dataset("eval_prompts.jsonl"),
+    eval_manifest=LAYOUT.hidden_states_manifest("eval"),
     target=target_input(),
     target_identity=target_identity_input(),
     # Other prompt sets and drafts to compare: rerun when they change.
@@ -233,7 +234,7 @@ def drain_flag(stage, key="all"):
     drain job after that job's other inputs exist: a drain that has to run for one job
     never makes another job of the stage out of date (a consumed streaming partition
     would be extracted again), and each drain waits for the inputs of its own job."""
-    return f"{SERVICE_DIR}/drained_for_{stage}.{key}.flag" if DRAIN["enabled"] else []
+    return LAYOUT.drain_flag(stage, key) if DRAIN["enabled"] else []
 
 
 def drain_flag_of(stage, wildcard):

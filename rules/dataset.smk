@@ -6,10 +6,10 @@ rule prepare_dataset:
         # The target's own answers (rules/regenerate.smk) when regenerate.enabled.
         regenerated=REGENERATED or [],
     output:
-        train=f"{RESULTS}/dataset/train.parquet",
-        eval=f"{RESULTS}/dataset/eval.parquet",
-        eval_prompts=f"{RESULTS}/dataset/eval_prompts.jsonl",
-        stats=f"{RESULTS}/dataset/stats.json",
+        train=LAYOUT.dataset("train.parquet"),
+        eval=LAYOUT.dataset("eval.parquet"),
+        eval_prompts=LAYOUT.dataset("eval_prompts.jsonl"),
+        stats=LAYOUT.dataset("stats.json"),
     params:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.train),
@@ -20,7 +20,7 @@ rule prepare_dataset:
     benchmark:
         f"{BENCHMARKS}/prepare_dataset.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.data.dataset --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir:q} {params.regenerated} --config-json {params.cfg} 2>&1 | tee {log:q}"

@@ -8,7 +8,7 @@ rule drain_service:
         # Production is stopped only for a run that passed every check needing no GPU.
         preflight=PREFLIGHT_FOR_DRAIN,
     output:
-        flag=temp(f"{SERVICE_DIR}/drained_for_{{stage}}.{{key}}.flag"),
+        flag=temp(LAYOUT.drain_flag("{stage}", "{key}")),
     params:
         settings=json_arg("drain"),
         gpus=GPUS,
@@ -21,7 +21,7 @@ rule drain_service:
     benchmark:
         f"{BENCHMARKS}/drain_service_{{stage}}_{{key}}.tsv"
     conda:
-        "../envs/service.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.ops.drain.service drain --stage {wildcards.stage} --gpus {params.gpus}"
         " --config-json {params.settings} --flag {output.flag:q}"

@@ -44,7 +44,7 @@ def restore_service(reason):
     from eagle3flow.ops.drain.restore import restore_if_drained
     from eagle3flow.ops.drain.state import ServiceError, State, restore_command
 
-    for flag in glob.glob(f"{SERVICE_DIR}/drained_for_*.flag"):
+    for flag in glob.glob(LAYOUT.drain_flags):
         os.remove(flag)
     if not DRAIN["enabled"] or not UNIT_STATE_DIR:
         return
@@ -65,7 +65,7 @@ def print_downtime():
         return
     summary = run_summary(SERVICE_DIR, RUN_ID)
     if summary:
-        print(f"\n=== service downtime ({SERVICE_DIR}/downtime.json) ===\n{summary}")
+        print(f"\n=== service downtime ({LAYOUT.downtime}) ===\n{summary}")
 
 
 def drop_stale_drain_flags():
@@ -76,7 +76,7 @@ def drop_stale_drain_flags():
     from eagle3flow.ops.drain.state import ServiceError, State, run_record, session_runs
     from eagle3flow.procfs import verdict
 
-    flags = glob.glob(f"{SERVICE_DIR}/drained_for_*.flag")
+    flags = glob.glob(LAYOUT.drain_flags)
     if not flags:
         return
     if UNIT_STATE_DIR:

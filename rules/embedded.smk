@@ -1,22 +1,20 @@
 rule build_embedded_target:
     output:
-        target=directory(f"{EMBEDDED_DIR}/target"),
-        conversations=f"{EMBEDDED_DIR}/conversations.jsonl",
-        stats=f"{EMBEDDED_DIR}/build_stats.json",
+        target=directory(LAYOUT.embedded_target),
+        conversations=LAYOUT.embedded_conversations,
+        stats=LAYOUT.embedded_stats,
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.conversations),
-        steps=config["embedded"]["train_steps"],
-        conversations=config["embedded"]["max_conversations"],
-        seed=config["embedded"]["seed"],
+        cfg=json_arg("embedded"),
     log:
         f"{LOGS}/build_embedded_target.log",
     benchmark:
         f"{BENCHMARKS}/build_embedded_target.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
-        "python -m eagle3flow.embedded.build --out-dir {params.out_dir:q} --steps {params.steps}"
-        " --max-conversations {params.conversations} --seed {params.seed} 2>&1 | tee {log:q}"
+        "python -m eagle3flow.embedded.build --out-dir {params.out_dir:q} --config-json {params.cfg}"
+        " 2>&1 | tee {log:q}"
 
 
 rule build_pretrained_target:
@@ -27,7 +25,7 @@ rule build_pretrained_target:
     benchmark:
         f"{BENCHMARKS}/build_pretrained_target.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.target.pretrained --out-dir {output.target:q} 2>&1 | tee {log:q}"
 
@@ -36,12 +34,14 @@ rule write_builtin_prompts:
     output:
         prompts=BUILTIN_PROMPTS,
     params:
-        num_prompts=config["dataset"]["builtin_prompts"],
+        # only the key it takes: another dataset key changing leaves the prompts (and the
+        # answers the unit wrote to them) as they are
+        cfg=json_arg_of({"builtin_prompts": config["dataset"]["builtin_prompts"]}),
     log:
         f"{LOGS}/write_builtin_prompts.log",
     benchmark:
         f"{BENCHMARKS}/write_builtin_prompts.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
-        "python -m eagle3flow.data.builtin_prompts --out {output.prompts:q} --count {params.num_prompts} 2>&1 | tee {log:q}"
+        "python -m eagle3flow.data.builtin_prompts --out {output.prompts:q} --config-json {params.cfg} 2>&1 | tee {log:q}"

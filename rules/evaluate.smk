@@ -8,7 +8,7 @@ rule evaluate_draft:
         **EVALUATE_INPUTS,
         drained=drain_flag("evaluate_draft", "all"),
     output:
-        summary=f"{RESULTS}/eval/summary.json",
+        summary=LAYOUT.eval_summary,
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.draft[0]),
         cfg=json_arg_of(EVALUATE),
@@ -20,7 +20,7 @@ rule evaluate_draft:
     benchmark:
         f"{BENCHMARKS}/evaluate_draft.tsv"
     conda:
-        "../envs/vllm.yaml"
+        CONDA_ENV
     shell:
         "{params.gpu_stage} --log {log:q} --"
         " python -m eagle3flow.eval.evaluate --draft {params.draft_dir:q} --target {input.target:q}"

@@ -1,8 +1,8 @@
 rule export_draft:
     input:
-        weights=f"{RESULTS}/train/draft.safetensors",
-        draft_config=f"{RESULTS}/train/draft_config.json",
-        vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
+        weights=LAYOUT.train("draft.safetensors"),
+        draft_config=LAYOUT.train("draft_config.json"),
+        vocab_map=LAYOUT.vocab_map,
         target=target_input(),
         target_identity=target_identity_input(),
     output:
@@ -11,13 +11,13 @@ rule export_draft:
     params:
         train_dir=lambda wildcards, input: os.path.dirname(input.weights),
         out_dirs=[f"{fmt}={path}" for fmt, path in DRAFT_DIRS.items()],
-        k=config["evaluate"]["num_speculative_tokens"],
+        cfg=json_arg_of(config_lib.export_stage_settings(config)),
     log:
         f"{LOGS}/export_draft.log",
     benchmark:
         f"{BENCHMARKS}/export_draft.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.export.checkpoint --train-dir {params.train_dir:q} --vocab-map {input.vocab_map:q}"
-        " --target {input.target:q} --out-dir {params.out_dirs:q} --speculative-tokens {params.k} 2>&1 | tee {log:q}"
+        " --target {input.target:q} --out-dir {params.out_dirs:q} --config-json {params.cfg} 2>&1 | tee {log:q}"

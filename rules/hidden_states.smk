@@ -4,7 +4,7 @@
 # node on a cluster, sharing the cache) each extract a run of shards and write
 # part-K-of-N.json, a manifest of its own; a local merge job writes manifest.json.
 EXTRACT_PARTS = config["extract"]["partitions"]
-EXTRACT_PART_MANIFEST = f"{RESULTS}/hidden_states/{{split}}/part-{{part}}-of-{EXTRACT_PARTS}.json"
+EXTRACT_PART_MANIFEST = LAYOUT.partition_manifest(EXTRACT_PARTS)
 
 
 rule extract_hidden_states:
@@ -15,7 +15,7 @@ rule extract_hidden_states:
         train=EXTRACT_PART_MANIFEST.format(split="train", part="{part}"),
         eval=EXTRACT_PART_MANIFEST.format(split="eval", part="{part}"),
     params:
-        cache=f"{CACHE}/hidden_states",
+        cache=LAYOUT.hidden_states_cache,
         cfg=json_arg_of(config_lib.extract_stage_settings(config)),
         gpu_stage=gpu_stage("extract_hidden_states"),
     wildcard_constraints:
@@ -28,9 +28,7 @@ rule extract_hidden_states:
     benchmark:
         f"{BENCHMARKS}/extract_hidden_states_{{part}}.tsv"
     conda:
-        # extract.backend auto resolves in the job (vLLM where it sees several GPUs):
-        # the environment is the one the plan expects (eagle3flow/ops/plan/ extract_backend).
-        "../envs/vllm.yaml" if plan_lib.extract_backend(config) == "vllm" else "../envs/train.yaml"
+        CONDA_ENV
     shell:
         "{params.gpu_stage} --log {log:q} --"
         " python -m eagle3flow.extract --target {input.target:q} --cache-root {params.cache:q}"
@@ -46,15 +44,15 @@ rule merge_hidden_states:
         train=expand(EXTRACT_PART_MANIFEST, split="train", part=range(EXTRACT_PARTS)),
         eval=expand(EXTRACT_PART_MANIFEST, split="eval", part=range(EXTRACT_PARTS)),
     output:
-        train=f"{RESULTS}/hidden_states/train/manifest.json",
-        eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+        train=LAYOUT.hidden_states_manifest("train"),
+        eval=LAYOUT.hidden_states_manifest("eval"),
     localrule: True
     log:
         f"{LOGS}/merge_hidden_states.log",
     benchmark:
         f"{BENCHMARKS}/merge_hidden_states.tsv"
     conda:
-        "../envs/train.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.extract.shards merge --part {input.train:q} --manifest {output.train:q}"
         " --part {input.eval:q} --manifest {output.eval:q} 2>&1 | tee {log:q}"

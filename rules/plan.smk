@@ -11,7 +11,7 @@ from snakemake.exceptions import WorkflowError
 from eagle3flow.atomic import write_json
 from eagle3flow.ops import plan as plan_lib
 
-PLAN_DIR = f"{RESULTS}/plan"
+PLAN_DIR = LAYOUT.plan_dir
 PLAN_STATE = {}
 
 
@@ -29,7 +29,7 @@ def start_plan():
     peak_file = Path(PLAN_DIR) / "disk_peak.json"
     peak_file.unlink(missing_ok=True)
     PLAN_STATE.update(plan=plan, peak_file=peak_file, sampler=plan_lib.start_sampler(
-        [RESULTS, CACHE], peak_file, os.getpid(), config["storage"]["sample_interval_s"],
+        [LAYOUT.results, LAYOUT.cache], peak_file, os.getpid(), config["storage"]["sample_interval_s"],
         Path(LOGS) / "plan_disk_sampler.log"))
 
 

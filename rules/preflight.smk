@@ -30,7 +30,7 @@ rule preflight:
     log:
         f"{LOGS}/preflight.log",
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.data.preflight --config-json {params.cfg} --target {input.target:q}"
         " --dataset {params.source:q} --out {output.ok:q} 2>&1 | tee {log:q}"
@@ -51,4 +51,4 @@ use rule preflight as preflight_before_drain with:
 # whose command changed (a new version, any config edit: the preflight reads the whole
 # config), and every finished GPU stage behind it (eagle3flow/ops/temp_records.py).
 if workflow.is_main_process:
-    drop_stale_records(os.getcwd(), [f"{RESULTS}/preflight/ok*.json", f"{SERVICE_DIR}/drained_for_*.flag"])
+    drop_stale_records(os.getcwd(), [LAYOUT.preflight_records, LAYOUT.drain_flags])

@@ -5,10 +5,10 @@
 rule write_model_card:
     input:
         draft=DRAFT_FILES,
-        eval_summary=f"{RESULTS}/eval/summary.json",
-        vocab_stats=f"{RESULTS}/vocab/stats.json",
-        dataset_stats=f"{RESULTS}/dataset/stats.json",
-        train_eval=f"{RESULTS}/train/eval.json",
+        eval_summary=LAYOUT.eval_summary,
+        vocab_stats=LAYOUT.vocab_stats,
+        dataset_stats=LAYOUT.dataset("stats.json"),
+        train_eval=LAYOUT.train("eval.json"),
         target=target_input(),
         target_identity=target_identity_input(),
     output:
@@ -23,7 +23,7 @@ rule write_model_card:
     benchmark:
         f"{BENCHMARKS}/write_model_card.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.report.model_card --draft {params.draft_dir:q} --eval-summary {input.eval_summary:q}"
         " --vocab-stats {input.vocab_stats:q} --dataset-stats {input.dataset_stats:q}"
@@ -36,7 +36,7 @@ rule publish_draft:
         draft=DRAFT_FILES,
         card=MODEL_CARD,
     output:
-        record=f"{RESULTS}/draft/published.json",
+        record=LAYOUT.published,
     params:
         draft_dir=lambda wildcards, input: os.path.dirname(input.card),
         hub=json_arg("hub"),
@@ -44,7 +44,7 @@ rule publish_draft:
     log:
         f"{LOGS}/publish_draft.log",
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.export.publish --draft {params.draft_dir:q} --record {output.record:q}"
         " --config-json {params.hub} 2>&1 | tee {log:q}"

@@ -22,12 +22,12 @@ rule regenerate_responses:
         target=target_input(),
         target_identity=target_identity_input(),
     output:
-        responses=f"{REGENERATE_DIR}/responses.jsonl",
-        stats=f"{REGENERATE_DIR}/stats.json",
+        responses=LAYOUT.regenerated,
+        stats=LAYOUT.regenerate_stats,
     params:
         source=lambda wildcards, input: input.data if input.data else DATASET,
         out_dir=lambda wildcards, output: os.path.dirname(output.stats),
-        cache=f"{CACHE}/regenerate",
+        cache=LAYOUT.regenerate_cache,
         cfg=json_arg_of(config_lib.regenerate_stage_settings(config)),
         server_log=f"{LOGS}/regenerate_server.log",
         vllm_python=optional_flag("--vllm-python", config["evaluate"]["vllm_python"]),
@@ -36,7 +36,7 @@ rule regenerate_responses:
     benchmark:
         f"{BENCHMARKS}/regenerate_responses.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.data.regenerate --input {params.source:q} --tokenizer {input.target:q}"
         " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
@@ -55,7 +55,7 @@ rule train_original_answers_draft:
         cfg=json_arg_of(original_answers_config(config)),
         source=lambda wildcards, input: input.data if input.data else DATASET,
         results=lambda wildcards, output: os.path.dirname(os.path.dirname(output[0])),
-        cache=CACHE,
+        cache=LAYOUT.cache,
         logs=f"{LOGS}/original_answers",
         snakefile=workflow.main_snakefile,
     # the nested run gets this job's cores
@@ -65,7 +65,7 @@ rule train_original_answers_draft:
     benchmark:
         f"{BENCHMARKS}/train_original_answers_draft.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.data.compare_answers --snakefile {params.snakefile:q} --config-json {params.cfg}"
         " --target {input.target:q} --dataset {params.source:q} --results {params.results:q}"

@@ -1,19 +1,19 @@
 # Figures and tables of the whole run, marked for `snakemake --report report.html`
 # (captions in report/). Service downtime is shown when the drain stage left a record.
-DOWNTIME = f"{SERVICE_DIR}/downtime.json"
-REPORT_DIR = f"{RESULTS}/report"
+DOWNTIME = LAYOUT.downtime
+REPORT_DIR = LAYOUT.report_dir
 
 
 rule build_report:
     input:
-        eval_summary=f"{RESULTS}/eval/summary.json",
-        metrics=f"{RESULTS}/train/metrics.jsonl",
-        train_eval=f"{RESULTS}/train/eval.json",
-        vocab_stats=f"{RESULTS}/vocab/stats.json",
-        dataset_stats=f"{RESULTS}/dataset/stats.json",
+        eval_summary=LAYOUT.eval_summary,
+        metrics=LAYOUT.train("metrics.jsonl"),
+        train_eval=LAYOUT.train("eval.json"),
+        vocab_stats=LAYOUT.vocab_stats,
+        dataset_stats=LAYOUT.dataset("stats.json"),
         manifests=[
-            f"{RESULTS}/hidden_states/train/manifest.json",
-            f"{RESULTS}/hidden_states/eval/manifest.json",
+            LAYOUT.hidden_states_manifest("train"),
+            LAYOUT.hidden_states_manifest("eval"),
         ],
     output:
         training=report(
@@ -67,7 +67,7 @@ rule build_report:
     benchmark:
         f"{BENCHMARKS}/build_report.tsv"
     conda:
-        "../envs/data.yaml"
+        CONDA_ENV
     shell:
         "python -m eagle3flow.report.render --out-dir {params.out_dir:q}"
         " --eval-summary {input.eval_summary:q} --train-metrics {input.metrics:q}"

@@ -37,14 +37,14 @@ if STREAM is not None:
         input:
             eval=[stream_manifest("eval", link) for link in range(STREAM.partitions)],
         output:
-            eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+            eval=LAYOUT.hidden_states_manifest("eval"),
         localrule: True
         log:
             f"{LOGS}/merge_hidden_states_streamed.log",
         benchmark:
             f"{BENCHMARKS}/merge_hidden_states_streamed.tsv"
         conda:
-            "../envs/train.yaml"
+            CONDA_ENV
         shell:
             "python -m eagle3flow.extract.shards merge --part {input.eval:q} --manifest {output.eval:q} 2>&1 | tee {log:q}"
 
@@ -53,14 +53,14 @@ if STREAM is not None:
         input:
             markers=[consumed(link) for link in range(STREAM.partitions)],
         output:
-            train=f"{RESULTS}/hidden_states/train/manifest.json",
+            train=LAYOUT.hidden_states_manifest("train"),
         localrule: True
         log:
             f"{LOGS}/record_streamed_train_manifest.log",
         benchmark:
             f"{BENCHMARKS}/record_streamed_train_manifest.tsv"
         conda:
-            "../envs/train.yaml"
+            CONDA_ENV
         shell:
             "python -m eagle3flow.ops.streaming record-manifest --marker {input.markers:q} --manifest {output.train:q}"
             " 2>&1 | tee {log:q}"
@@ -73,7 +73,7 @@ if STREAM is not None:
             consumed=f"{STREAM_DIR}/consumed-{{link}}.json",
         params:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
-            cache=f"{CACHE}/train",
+            cache=LAYOUT.train_cache,
             cfg=json_arg("train"),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition"),
@@ -88,7 +88,7 @@ if STREAM is not None:
         benchmark:
             f"{BENCHMARKS}/train_partition_{{link}}.tsv"
         conda:
-            "../envs/train.yaml"
+            CONDA_ENV
         shell:
             STREAM_TRAIN_SHELL
 
@@ -96,17 +96,17 @@ if STREAM is not None:
     rule train_partition_last:
         input:
             **link_inputs(STREAM_LAST),
-            eval=f"{RESULTS}/hidden_states/eval/manifest.json",
+            eval=LAYOUT.hidden_states_manifest("eval"),
             drained=drain_flag("train_partition_last", "last"),
         output:
-            weights=f"{RESULTS}/train/draft.safetensors",
-            draft_config=f"{RESULTS}/train/draft_config.json",
-            metrics=f"{RESULTS}/train/metrics.jsonl",
-            eval=f"{RESULTS}/train/eval.json",
+            weights=LAYOUT.train("draft.safetensors"),
+            draft_config=LAYOUT.train("draft_config.json"),
+            metrics=LAYOUT.train("metrics.jsonl"),
+            eval=LAYOUT.train("eval.json"),
             consumed=f"{STREAM_DIR}/{streaming_lib.consumed_name(STREAM_LAST)}",
         params:
             link_args=link_args(STREAM_LAST),
-            cache=f"{CACHE}/train",
+            cache=LAYOUT.train_cache,
             cfg=json_arg("train"),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
@@ -118,7 +118,7 @@ if STREAM is not None:
         benchmark:
             f"{BENCHMARKS}/train_partition_{STREAM_LAST}.tsv"
         conda:
-            "../envs/train.yaml"
+            CONDA_ENV
         shell:
             STREAM_TRAIN_SHELL
 

@@ -3,9 +3,9 @@ from eagle3flow.ops import streaming as streaming_lib
 
 # The chain (eagle3flow.ops.streaming.Chain) when the budget makes this run stream, else None.
 STREAM = plan_lib.streaming_chain(config, os.getcwd(), PLAN_WHEN_READ)
-STREAM_DIR = f"{RESULTS}/streaming"
+STREAM_DIR = LAYOUT.streaming_dir
 STREAM_PART = (
-    f"{RESULTS}/hidden_states/stream/link-{{link}}/{{split}}-part-{{part}}-of-{{partitions}}.json"
+    LAYOUT.streamed_partition_manifest
 )
 STREAM_LAST = STREAM.links - 1 if STREAM is not None else None
 # Links consumed by earlier runs are no jobs of this run (train_partition's wildcard
@@ -28,7 +28,7 @@ def start_streaming():
     """onstart: say how the run streams and pin the chain."""
     if STREAM is not None:
         print(STREAM.describe(), flush=True)
-        streaming_lib.write_chain(STREAM, RESULTS)
+        streaming_lib.write_chain(STREAM, LAYOUT)
 
 
 def stream_part_pattern(split):
@@ -57,8 +57,8 @@ def extraction_gate(wildcards):
 def link_inputs(link):
     inputs = dict(
         train=stream_manifest("train", link),
-        vocab_map=f"{RESULTS}/vocab/vocab_map.safetensors",
-        stats=f"{RESULTS}/dataset/stats.json",
+        vocab_map=LAYOUT.vocab_map,
+        stats=LAYOUT.dataset("stats.json"),
         target=target_input(),
         target_identity=target_identity_input(),
     )
@@ -68,7 +68,7 @@ def link_inputs(link):
 
 
 def link_out_dir(link):
-    return f"{RESULTS}/train" if link == STREAM_LAST else f"{CACHE}/streaming/link-{link}"
+    return os.path.dirname(LAYOUT.train("draft.safetensors")) if link == STREAM_LAST else f"{LAYOUT.streaming_cache}/link-{link}"
 
 
 def link_args(link):
@@ -78,7 +78,7 @@ def link_args(link):
     if link > 0:
         args += ["--previous", consumed(link - 1), "--previous-out-dir", link_out_dir(link - 1)]
     if link == STREAM_LAST:
-        args += ["--eval-manifest", f"{RESULTS}/hidden_states/eval/manifest.json"]
+        args += ["--eval-manifest", LAYOUT.hidden_states_manifest("eval")]
     return shlex.join(map(str, args))
 
 
@@ -89,4 +89,4 @@ def streaming_drain_inputs(stage, key):
         return {**EXTRACT_INPUTS, "after": consumed_input(STREAM.waits_for(link))}
     if stage == "train_partition":
         return link_inputs(int(key))
-    return {**link_inputs(STREAM_LAST), "eval": f"{RESULTS}/hidden_states/eval/manifest.json"}
+    return {**link_inputs(STREAM_LAST), "eval": LAYOUT.hidden_states_manifest("eval")}

@@ -7,13 +7,13 @@ rule train_draft:
         **TRAIN_INPUTS,
         drained=drain_flag("train_draft", "all"),
     output:
-        weights=f"{RESULTS}/train/draft.safetensors",
-        draft_config=f"{RESULTS}/train/draft_config.json",
-        metrics=f"{RESULTS}/train/metrics.jsonl",
-        eval=f"{RESULTS}/train/eval.json",
+        weights=LAYOUT.train("draft.safetensors"),
+        draft_config=LAYOUT.train("draft_config.json"),
+        metrics=LAYOUT.train("metrics.jsonl"),
+        eval=LAYOUT.train("eval.json"),
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.weights),
-        cache=f"{CACHE}/train",
+        cache=LAYOUT.train_cache,
         cfg=json_arg("train"),
         gpu_stage=gpu_stage("train_draft"),
         launch=trainer_launch(),
@@ -25,7 +25,7 @@ rule train_draft:
     benchmark:
         f"{BENCHMARKS}/train_draft.tsv"
     conda:
-        "../envs/train.yaml"
+        CONDA_ENV
     shell:
         "{params.gpu_stage} --log {log:q} -- {params.launch}"
         " --train-manifest {input.train:q} --eval-manifest {input.eval:q}"

@@ -170,7 +170,7 @@ def test_training_resumes_to_identical_result(tmp_path):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     blocks = torch.randint(0, 256, (12, 32), generator=torch.Generator().manual_seed(0))
-    options = TrainOptions(steps=6, batch_size=4, warmup_steps=2, checkpoint_every=3)
+    options = TrainOptions(steps=6, seed=0, max_conversations=10, batch_size=4, warmup_steps=2, checkpoint_every=3)
     whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     whole_dir.mkdir(), resumed_dir.mkdir()
     model, losses = train_model(config, blocks, options, whole_dir)
@@ -204,8 +204,8 @@ def _check_target_dir(target: Path) -> dict:
 
 def test_cli_tiny_build(tmp_path):
     out = tmp_path / "embedded"
-    result = _run(["-m", "eagle3flow.embedded.build", "--out-dir", str(out), "--steps", "1",
-                   "--max-conversations", "200"], 300)
+    result = _run(["-m", "eagle3flow.embedded.build", "--out-dir", str(out),
+                   "--config-json", json.dumps({"train_steps": 1, "max_conversations": 200})], 300)
     assert "embedded train" in result.stderr and "ETA" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["build_stats.json", "conversations.jsonl", "target"]
     stats = json.loads((out / "build_stats.json").read_text())
@@ -234,10 +234,13 @@ def test_cli_tiny_build(tmp_path):
     assert generated[0, prompt_len:].tolist() == expected
 
 
-def test_cli_rejects_bad_flags(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(tmp_path),
-                             "--steps", "0"], cwd=REPO, env=ENV, capture_output=True, text=True)
-    assert result.returncode != 0 and "--steps" in result.stderr
+def test_cli_refuses_bad_settings_naming_the_key(tmp_path):
+    for settings, key in (({"train_steps": 0}, "embedded.train_steps"), ({"steps": 5}, "['steps']")):
+        result = subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(tmp_path),
+                                 "--config-json", json.dumps(settings)], cwd=REPO, env=ENV,
+                                capture_output=True, text=True)
+        assert result.returncode != 0 and key in result.stderr, result.stderr
+        assert not list(tmp_path.iterdir())
 
 
 # --- slow: the real default build, served by vLLM -------------------------------------------

@@ -16,9 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "eagle3flow"
 
-# Modules that must run without torch: the workflow's operations and planning run
-# in the service environment (envs/service.yaml, stdlib only) and at parse time.
-TORCH_FREE = ("eagle3flow.ops", "eagle3flow.config", "eagle3flow.atomic", "eagle3flow.jsonl",
+# Modules that must run without torch: the workflow's operations and planning run at
+# parse time and in the drain, where importing torch would cost seconds each time.
+TORCH_FREE = ("eagle3flow.ops", "eagle3flow.config", "eagle3flow.layout", "eagle3flow.atomic", "eagle3flow.jsonl",
               "eagle3flow.progress", "eagle3flow.layers", "eagle3flow.procfs", "eagle3flow.target.config",
               "eagle3flow.target.shapes", "eagle3flow.target.remote_code",
               "eagle3flow.target.files")

@@ -74,8 +74,8 @@ def embedded(tmp_path_factory) -> Path:
     if existing:
         return Path(existing)
     out = tmp_path_factory.mktemp("embedded_tiny")
-    subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out), "--steps", "80",
-                    "--max-conversations", "150"], cwd=REPO, env=ENV, check=True,
+    subprocess.run([sys.executable, "-m", "eagle3flow.embedded.build", "--out-dir", str(out),
+                    "--config-json", json.dumps({"train_steps": 80, "max_conversations": 150})], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=600)
     return out
 

@@ -125,3 +125,23 @@ def test_make_setup_passes_device():
     result = subprocess.run(["make", "-n", "-C", str(REPO), "setup", "DEVICE=cuda"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0 and "DEVICE=cuda bash scripts/setup.sh" in result.stdout, result.stdout
+
+
+def test_the_rules_conda_environment_is_the_tested_pins():
+    """Every rule names the one conda environment, and it installs exactly the pinned CUDA
+    requirements (what .venv is built from on a GPU box) and the package: no second list
+    of versions that could drift from what the tests ran."""
+    import re
+
+    import yaml
+
+    env = yaml.safe_load((REPO / "envs" / "eagle3flow.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert pip == ["-r requirements-cuda.txt", "-e .."], pip
+    assert sorted(p.name for p in (REPO / "envs").glob("*.yaml")) == ["eagle3flow.yaml"]
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        text = smk.read_text()
+        shells = len(re.findall(r"^\s*shell:$", text, re.M))
+        condas = re.findall(r"^(\s*)conda:\n\1    (\S+)$", text, re.M)
+        assert len(condas) == shells and all(name == "CONDA_ENV" for _, name in condas), (smk.name, condas)
+    assert 'CONDA_ENV = "../envs/eagle3flow.yaml"' in (REPO / "rules" / "common.smk").read_text()

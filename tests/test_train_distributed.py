@@ -179,4 +179,4 @@ def test_launch_commands():
     assert multi[:2] == ["srun", "--nodes=4"] and "--ntasks-per-node=1" in multi
     assert multi[multi.index("--rdzv-endpoint") + 1].startswith("gpu-a01:")
     assert multi[multi.index("--nnodes") + 1] == "4" and multi[-2:] == ["eagle3flow.train.trainer", "--x"][-2:]
-    assert processes_per_node("auto", "cpu") == 1 and processes_per_node("3", "cpu") == 3
+    assert processes_per_node(None, "cpu") == 1 and processes_per_node(3, "cpu") == 3

@@ -82,7 +82,7 @@ def test_cli_reads_target_vocab_from_config(tmp_path, datasets):
     (target / "config.json").write_text(json.dumps({"vocab_size": 512}))
     out = tmp_path / "cli" / "vocab_map.safetensors"
     main(["--dataset", *map(str, datasets), "--target", str(target),
-          "--draft-vocab-size", "4", "--out", str(out), "--stats", str(tmp_path / "cli" / "s.json")])
+          "--config-json", json.dumps({"draft_vocab_size": 4}), "--out", str(out), "--stats", str(tmp_path / "cli" / "s.json")])
     maps = load_file(str(out))
     assert maps["t2d"].shape == (512,)
     assert (torch.arange(4) + maps["d2t"]).tolist() == [2, 3, 5, 7]

@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 from eagle3flow.atomic import write_jsonl
+from eagle3flow.config import cli_settings
 from eagle3flow.embedded.corpus import first_paragraph, iter_documented_members
 
 TOPICS = (
@@ -378,11 +379,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.builtin_prompts",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--config-json", default="{}",
+                        help="of the dataset section, builtin_prompts: how many prompts")
     args = parser.parse_args(argv)
-    if args.count < 1:
-        parser.error("--count must be >= 1")
-    stats = write_prompts(args.out, args.count)
+    count = cli_settings(parser, "dataset", args.config_json)["builtin_prompts"]
+    stats = write_prompts(args.out, count)
     print(f"builtin_prompts: {stats['prompts']} prompts ({stats['multi_turn']} multi-turn) -> {args.out}",
           file=sys.stderr)
     return 0

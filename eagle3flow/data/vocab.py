@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from eagle3flow.progress import Progress
 from eagle3flow.atomic import replacing, write_json
+from eagle3flow.config import cli_settings
 from eagle3flow.target.config import load_target_config
 
 
@@ -126,21 +127,22 @@ def build_vocab_map(dataset_parquets: list, target_vocab_size: int, draft_vocab_
 
 
 def main(argv=None) -> None:
-    """CLI; every option is an individual flag.
+    """CLI: paths as flags, the config's vocab section as --config-json.
 
     python -m eagle3flow.data.vocab --dataset results/dataset/train.parquet [more.parquet ...] \\
-        --target DIR --draft-vocab-size 32000 \\
+        --target DIR --config-json '{"draft_vocab_size": 32000}' \\
         --out results/vocab/vocab_map.safetensors --stats results/vocab/stats.json
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.data.vocab", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", nargs="+", required=True, help="tokenized dataset parquet(s)")
     parser.add_argument("--target", required=True, help="HF target dir (its config.json gives Vt)")
-    parser.add_argument("--draft-vocab-size", type=int, required=True)
+    parser.add_argument("--config-json", default="{}", help="the config's vocab section")
     parser.add_argument("--out", required=True, help="vocab_map.safetensors to write")
     parser.add_argument("--stats", required=True, help="stats.json to write")
     args = parser.parse_args(argv)
-    stats = build_vocab_map(args.dataset, target_vocab_size(args.target), args.draft_vocab_size,
+    settings = cli_settings(parser, "vocab", args.config_json)
+    stats = build_vocab_map(args.dataset, target_vocab_size(args.target), settings["draft_vocab_size"],
                             args.out, args.stats)
     print(f"vocab: draft {stats['draft_vocab_size']:,} of {stats['target_vocab_size']:,} ids, "
           f"coverage {stats['coverage']:.4f} of {stats['assistant_tokens']:,} assistant tokens")

@@ -14,8 +14,10 @@ rerun with the same options resume instead of starting over.
 
 CLI::
 
-    python -m eagle3flow.embedded.build --out-dir results/embedded [--steps 300] [--seed 0]
-        [--max-conversations 4000] [--threads N]
+    python -m eagle3flow.embedded.build --out-dir results/embedded \
+        [--config-json '{"train_steps": 300, "seed": 0, "max_conversations": 4000}'] [--threads N]
+
+(the config's ``embedded`` section; the schema gives what is left out)
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3flow.atomic import replacing, write_text
+from eagle3flow.config import cli_settings
 from eagle3flow.procfs import usable_cores
 from eagle3flow.embedded.corpus import build_corpus, read_conversations
 from eagle3flow.embedded.tokenizer import EOS_TEXT, EOT, save_tokenizer, train_tokenizer
@@ -44,9 +47,10 @@ from eagle3flow.target.shapes import TargetShape
 
 @dataclass(frozen=True)
 class TrainOptions:
-    steps: int = 1600
-    seed: int = 0
-    max_conversations: int = 4000
+    # The three the config sets (schemas/config.schema.yaml: embedded) come from there.
+    steps: int
+    seed: int
+    max_conversations: int
     block_size: int = 256       # packed tokens per row
     batch_size: int = 4         # rows per step: more, smaller steps learn faster per token here
     lr: float = 3e-3
@@ -179,7 +183,7 @@ def _replace_dir(new: Path, final: Path) -> None:
         os.replace(new, final)
 
 
-def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
+def build_embedded(out_dir: Path, options: TrainOptions,
                    shape: TargetShape = TargetShape(), threads: int | None = None) -> dict:
     """Build ``out_dir/{conversations.jsonl, target/, build_stats.json}``; return the stats."""
     t0, cpu0 = time.monotonic(), time.process_time()
@@ -254,25 +258,23 @@ def build_embedded(out_dir: Path, options: TrainOptions = TrainOptions(),
     return stats
 
 
+def embedded_options(settings: dict) -> TrainOptions:
+    """The build's options from the config's ``embedded`` section (section_settings)."""
+    steps = int(settings["train_steps"])
+    return TrainOptions(steps=steps, seed=int(settings["seed"]),
+                        max_conversations=int(settings["max_conversations"]),
+                        warmup_steps=min(TrainOptions.warmup_steps, max(1, steps // 10)))
+
+
 def main(argv=None) -> int:
-    """Options are individual flags; defaults are the documented embedded default."""
-    defaults = TrainOptions()
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.embedded.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--max-conversations", type=int, default=defaults.max_conversations)
+    parser.add_argument("--config-json", default="{}", help="the config's embedded section")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores this process may run on)")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    if args.max_conversations < 1:
-        parser.error("--max-conversations must be >= 1")
-    options = TrainOptions(steps=args.steps, seed=args.seed,
-                           max_conversations=args.max_conversations,
-                           warmup_steps=min(defaults.warmup_steps, max(1, args.steps // 10)))
+    options = embedded_options(cli_settings(parser, "embedded", args.config_json))
     build_embedded(args.out_dir, options, threads=args.threads)
     return 0
 

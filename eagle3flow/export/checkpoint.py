@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.atomic import replacing, write_json
+from eagle3flow.config import EXPORT_BORROWED, cli_settings
 from eagle3flow.model.config import DraftConfig, exported_param_names
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.config import load_target_config, read_config_file
@@ -75,19 +76,23 @@ def export_draft(train_dir: str | Path, vocab_map: str | Path, target_path: str 
 
 
 def main(argv=None) -> None:
-    """CLI: ``python -m eagle3flow.export.checkpoint --train-dir results/train --vocab-map ... --target DIR --out-dir results/draft``."""
+    """CLI: ``python -m eagle3flow.export.checkpoint --train-dir results/train --vocab-map ... --target DIR
+    --out-dir results/draft [--config-json '{"speculative_tokens": 3}']`` (the export section, and
+    evaluate.num_speculative_tokens as speculative_tokens)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + draft_config.json")
     parser.add_argument("--vocab-map", required=True)
     parser.add_argument("--target", required=True, help="target model dir (its dtype decides the export dtype)")
     parser.add_argument("--out-dir", action="extend", nargs="+", required=True, metavar="[FORMAT=]DIR",
                         help=f"where each format goes ({', '.join(FORMATS)}; eagle3 when no FORMAT=)")
-    parser.add_argument("--speculative-tokens", type=int, default=3,
-                        help="speculators format: K that `vllm serve <draft>` uses")
+    parser.add_argument("--config-json", default="{}",
+                        help="the export section; speculative_tokens: the K `vllm serve <draft>` uses (speculators format)")
     args = parser.parse_args(argv)
+    settings = cli_settings(parser, "export", args.config_json, borrowed=EXPORT_BORROWED)
     for item in args.out_dir:
         fmt, _, path = item.rpartition("=")
-        export_draft(args.train_dir, args.vocab_map, args.target, path, fmt or "eagle3", args.speculative_tokens)
+        export_draft(args.train_dir, args.vocab_map, args.target, path, fmt or "eagle3",
+                     settings["speculative_tokens"])
 
 
 if __name__ == "__main__":

@@ -48,11 +48,11 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.config import cli_settings
+from eagle3flow.layout import Layout
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
 from eagle3flow.extract.throughput import THROUGHPUT_FILE, merge_throughput_logs, throughput_path
 
-CHAIN_FILE = "chain.json"
 
 
 def consumed_name(link: int) -> str:
@@ -101,7 +101,7 @@ def train_partition_tokens(config: dict, root: Path, target: dict) -> list[int] 
     """Exact tokens of each train partition from ``results/dataset/train.parquet`` (its
     ``num_tokens`` column, cut to max_length and the target's context), or None before
     the dataset exists."""
-    path = root / config["paths"]["results"] / "dataset" / "train.parquet"
+    path = root / Layout.of(config).dataset("train.parquet")
     if not path.is_file():
         return None
     import pyarrow.parquet as pq  # light next to torch; only once the dataset exists
@@ -133,7 +133,7 @@ def pinned_chain(config: dict, root: Path) -> Chain | None:
     made for the same partitions and epochs: a chain in progress keeps its shape whatever
     the budget says now (a rerun must not switch to a full extraction, nor re-plan the
     links already consumed)."""
-    data = read_json(root / config["paths"]["results"] / "streaming" / CHAIN_FILE)
+    data = read_json(root / Layout.of(config).streaming_chain)
     if not data:
         return None
     chain = Chain(int(data["partitions"]), int(data["epochs"]), int(data["in_flight"]),
@@ -154,9 +154,9 @@ def consumed_links(chain: Chain, stream_dir: str | os.PathLike) -> set[int]:
     return done
 
 
-def write_chain(chain: Chain, results: str | os.PathLike) -> Path:
+def write_chain(chain: Chain, layout: Layout) -> Path:
     """onstart of a streaming run: pin the chain (see :func:`pinned_chain`)."""
-    path = Path(results) / "streaming" / CHAIN_FILE
+    path = Path(layout.streaming_chain)
     if read_json(path) != {**chain.to_json()}:
         write_json(path, chain.to_json())
     return path

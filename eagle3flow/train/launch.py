@@ -1,10 +1,13 @@
 """Start a training module on every GPU of the job: plain python, torchrun, or srun + torchrun.
 
-    python -m eagle3flow.train.launch --nproc auto --nodes 1 --device auto eagle3flow.train.trainer -- ARGS...
+    python -m eagle3flow.train.launch --config-json '{"nproc": null, "nodes": 1, "device": "auto"}' \
+        eagle3flow.train.trainer -- ARGS...
 
-* processes per node: ``--nproc N``, or ``auto`` = the CUDA devices visible at run
+(LAUNCH_KEYS of the config's train section; the schema gives what is left out)
+
+* processes per node: ``nproc`` N, or null = the CUDA devices visible at run
   time (``CUDA_VISIBLE_DEVICES`` / SLURM's allocation), 1 when there are none or the
-  device is ``cpu`` (``--nproc 2 --device cpu`` runs 2 gloo processes, as CI does);
+  device is ``cpu`` (``nproc: 2, device: cpu`` runs 2 gloo processes, as CI does);
 * one process on one node: ``python -m MODULE`` (no torchrun start-up cost);
 * one node: ``torchrun --standalone`` (a free local port, no rendezvous server);
 * several nodes (SLURM only): ``srun`` starts one torchrun per node of the allocation,
@@ -18,12 +21,17 @@ module's (torchrun forwards them to its workers).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
 import sys
 
+from eagle3flow.config import cli_settings
+
 RDZV_PORT = 29517
+# The keys of the train section that say how the trainer is started (the trainer takes them too).
+LAUNCH_KEYS = ("nproc", "nodes", "device")
 TRAINER = "eagle3flow.train.trainer"
 
 
@@ -31,8 +39,9 @@ def trainer_command(train: dict, python: str = "python") -> list[str]:
     """The command that starts the trainer on every GPU of the job as the config's train
     section says (nproc, nodes, device); the trainer's own arguments follow it. The one
     launch line of train_draft and of each streaming link (rules/common.smk trainer_launch)."""
-    return [python, "-m", "eagle3flow.train.launch", "--nproc", str(train["nproc"] or "auto"),
-            "--nodes", str(train["nodes"]), "--device", train["device"], TRAINER, "--"]
+    launch = {key: train[key] for key in LAUNCH_KEYS}
+    return [python, "-m", "eagle3flow.train.launch", "--config-json", json.dumps(launch, sort_keys=True),
+            TRAINER, "--"]
 
 
 def visible_cuda_devices() -> int:
@@ -43,10 +52,10 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def processes_per_node(nproc: str, device: str) -> int:
-    if nproc != "auto":
+def processes_per_node(nproc: int | None, device: str) -> int:
+    if nproc is not None:
         if int(nproc) < 1:
-            raise ValueError(f"--nproc must be >= 1 or auto, got {nproc}")
+            raise ValueError(f"train.nproc must be >= 1 or null, got {nproc}")
         return int(nproc)
     if device == "cpu":
         return 1
@@ -56,7 +65,7 @@ def processes_per_node(nproc: str, device: str) -> int:
 def slurm_first_host(env) -> str:
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
-        raise RuntimeError("--nodes > 1 needs a SLURM allocation (SLURM_JOB_NODELIST is not set)")
+        raise RuntimeError("train.nodes > 1 needs a SLURM allocation (SLURM_JOB_NODELIST is not set)")
     hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                            text=True, check=True).stdout.split()
     return hosts[0]
@@ -82,16 +91,20 @@ def command(module: str, args: list[str], nproc: int, nodes: int, env=None,
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", default="auto", help="processes per node, or auto (one per visible GPU)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (> 1: SLURM allocation, srun)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--config-json", default="{}",
+                        help=f"of the train section, {', '.join(LAUNCH_KEYS)}: processes per node (null: one "
+                             "per visible GPU), nodes (> 1: a SLURM allocation, srun), the device")
     parser.add_argument("module", help="the python module to run, e.g. eagle3flow.train.trainer")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     ns = parser.parse_args(argv)
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    nproc = processes_per_node(str(ns.nproc), ns.device)
-    argv_out = command(ns.module, args, nproc, ns.nodes)
-    print(f"launch: {nproc} process(es) per node x {ns.nodes} node(s): {shlex.join(argv_out)}",
+    settings = cli_settings(parser, "train", ns.config_json)
+    unknown = sorted(set(json.loads(ns.config_json)) - set(LAUNCH_KEYS))
+    if unknown:
+        parser.error(f"--config-json: the launcher takes {', '.join(LAUNCH_KEYS)} of train, not {unknown}")
+    nproc = processes_per_node(settings["nproc"], settings["device"])
+    argv_out = command(ns.module, args, nproc, settings["nodes"])
+    print(f"launch: {nproc} process(es) per node x {settings['nodes']} node(s): {shlex.join(argv_out)}",
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execvp(argv_out[0], argv_out)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_text
 from eagle3flow.config import schema_defaults
+from eagle3flow.layout import DOWNTIME_FILE
 from eagle3flow.procfs import boot_id, environ, pid_namespace, pids_with_env, running, start_ticks, verdict
 
 # The stages that need every GPU of the node (rules/hidden_states.smk, rules/train.smk).
@@ -155,7 +156,7 @@ class State:
         """The host's record of the cycle, and each run's copy in its results folder."""
         self.write(self.downtime, self.downtime_records() + [record])
         for folder in sorted(set(service_dirs)):
-            path = Path(folder) / "downtime.json"
+            path = Path(folder) / DOWNTIME_FILE
             try:
                 earlier = json.loads(path.read_text()) if path.exists() else []
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +285,7 @@ def format_downtime(records: list[dict]) -> str:
 
 def run_summary(service_dir: str, run_id: str | None) -> str:
     """The cycles a run took part in, from its results' copy of the records."""
-    path = Path(service_dir) / "downtime.json"
+    path = Path(service_dir) / DOWNTIME_FILE
     try:
         records = json.loads(path.read_text()) if path.exists() else []
     except (OSError, ValueError):

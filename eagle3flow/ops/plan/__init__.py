@@ -19,10 +19,10 @@ else from an estimate of the raw dataset, and from the target's config.json:
 
 * hidden states: ``tokens x ((A+1) x H x dtype_bytes + 5)`` (A aux layers + the last
   layer, plus int32 input_ids and uint8 loss_mask) for both splits;
-* training cache: ``(keep_checkpoints + 1)`` checkpoints of fp32 weights and the
-  optimizer state (12 B/param under AdamW, 8 B/param for the matrices Muon steps; one
-  more checkpoint exists for a moment before the oldest is deleted), plus
-  ``draft_params x 4`` for ``results/train``;
+* training cache: ``keep_checkpoints`` checkpoints of fp32 weights and the optimizer
+  state (12 B/param under AdamW, 8 B/param for the matrices Muon steps), plus
+  ``draft_params x 4`` for ``results/train``; one more checkpoint exists for a moment
+  before the oldest is deleted: the peak counts it;
 * export: ``draft_params x dtype_bytes`` plus the vocab map.
 
 A stage whose files already exist counts with their measured size. The projected peak

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 from eagle3flow.ops.plan.footprint import DTYPE_BYTES, hidden_state_bytes_per_token
-from eagle3flow.ops.plan.stages import Plan, layout
+from eagle3flow.layout import Layout
+from eagle3flow.ops.plan.stages import Plan
 from eagle3flow.ops.plan.sizes import format_bytes, free_bytes, parse_bytes
 
 
@@ -22,7 +23,7 @@ def budget_refusal(plan: Plan, config: dict, root: Path) -> str | None:
     if max_bytes is not None and plan.peak_bytes > max_bytes:
         problems.append(f"the projected peak of results/ + cache/ is {format_bytes(plan.peak_bytes)}, "
                         f"over storage.max_bytes = {format_bytes(max_bytes)}")
-    cache_dir = root / layout(config)["cache"]
+    cache_dir = root / Layout.of(config).cache
     free = free_bytes(cache_dir)
     if free - plan.to_write_bytes < min_free:
         problems.append(f"{format_bytes(plan.to_write_bytes)} are still to be written but "
@@ -40,7 +41,7 @@ def allowed_peak(plan: Plan, config: dict, root: Path) -> int:
     storage = config.get("storage") or {}
     max_bytes = parse_bytes(storage.get("max_bytes"))
     min_free = parse_bytes(storage.get("min_free_bytes")) or 0
-    free = free_bytes(root / layout(config)["cache"])
+    free = free_bytes(root / Layout.of(config).cache)
     return min(x for x in (max_bytes, free - min_free + plan.peak_bytes - plan.to_write_bytes)
                if x is not None)
 

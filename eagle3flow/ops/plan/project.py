@@ -13,7 +13,7 @@ from eagle3flow.ops import streaming
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
 from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
-from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, layout, measure, real_path,
+from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, measure, real_path,
                                         stage_outputs_exist)
 from eagle3flow.ops.plan.throughput import (extract_backend, extract_devices, measured_throughputs,
                                             profile_key, recorded_throughputs)
@@ -141,9 +141,11 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
     metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
     r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
-    proj["train"] = ((keep + 1) * checkpoint + draft_params * 4 + metrics_bytes,
+    # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
+    # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
+    proj["train"] = (keep * checkpoint + draft_params * 4 + metrics_bytes,
                      f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
-                     f"({train_cfg['optimizer']}) x ({keep}+1) checkpoints + weights",
+                     f"({train_cfg['optimizer']}) x {keep} checkpoints (+1 while one is written) + weights",
                      train_tokens / r + ASSUMED_STAGE_START_S,
                      f"{r:,.0f} tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
@@ -160,18 +162,18 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
 
     # --- status per stage, measured bytes, the peak
     now_per_stage, now_total = measure(config, root)
-    results = root / layout(config)["results"]
 
     def assemble(proj: dict, fingerprinted: dict = FINGERPRINTED) -> Plan:
         rows, accounted, to_write = [], 0, 0
-        for name, prefixes, gpu, paths in STAGES:
+        for stage in STAGES:
+            name, prefixes, gpu, paths = stage.name, stage.rules, stage.gpu, stage.folders
             if name not in proj:
                 if now_per_stage[name]:
                     accounted += now_per_stage[name]
                 continue
             b, bb, s, sb = proj[name]
             existing = now_per_stage[name]
-            done = stage_outputs_exist(name, results)
+            done = stage_outputs_exist(stage, config, root)
             if will_run is not None:
                 jobs = sum(n for rule, n in will_run.items() if rule.startswith(prefixes))
                 # Not in the DAG and never made: the targets asked for do not need it.
@@ -194,7 +196,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
             accounted += existing
             rows.append(StageRow(name, gpu, status, int(final), bb, float(s), sb, jobs))
         other = max(0, now_total - accounted)
-        peak = other + sum(r.bytes for r in rows)
+        writing_checkpoint = checkpoint if any(r.name == "train" and r.status == "run" for r in rows) else 0
+        peak = other + sum(r.bytes for r in rows) + writing_checkpoint
         plan = Plan(rows, other, int(peak), int(to_write), gpus, bool(config["drain"]["enabled"]),
                     {**work, "target": target_basis, "draft_params": draft_params,
                      "checkpoint_bytes": int(checkpoint), "hidden_state_bytes_per_token": per_token, "storage_dtype": dtype,

@@ -7,28 +7,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3flow.layout import FINGERPRINTED, STAGES, Layout, Stage
 from eagle3flow.ops.plan.sizes import tree_bytes
 
-# Stages in workflow order: rules (prefixes of rule names), GPU or not, the paths
-# (relative to results/ or cache/) whose bytes belong to it.
-STAGES = (
-    ("embedded target", ("build_embedded_target", "build_pretrained_target", "write_builtin_prompts"), False,
-     ("results/embedded", "results/pretrained", "results/prompts")),
-    ("prepare dataset", ("prepare_dataset",), False, ("results/dataset",)),
-    # Answers come from the live server, before any drain: not a GPU stage of this run.
-    ("regenerate", ("regenerate_responses",), False, ("results/regenerate", "cache/regenerate")),
-    ("extract", ("extract_hidden_states", "extract_partition", "merge_hidden_states"), True,
-     ("results/hidden_states", "cache/hidden_states")),
-    ("vocab", ("build_vocab_map",), False, ("results/vocab",)),
-    ("train", ("train_draft", "train_partition"), True, ("results/train", "cache/train", "cache/streaming")),
-    ("export", ("export_draft",), False, ("results/draft",)),
-    ("evaluate", ("evaluate_draft",), True, ("results/eval",)),
-    ("report", ("build_report",), False, ("results/report",)),
-)
-# Cache directories holding one subdirectory per fingerprint, and how many of the newest
-# are this run's (extraction keeps one per split): a rerun resumes those, the rest is stale.
-FINGERPRINTED = {"cache/hidden_states": 2, "cache/train": 1, "cache/regenerate": 1}
-
+__all__ = ["FINGERPRINTED", "STAGES", "Plan", "StageRow", "measure", "real_path", "stage_outputs_exist"]
 
 @dataclass
 class StageRow:
@@ -84,32 +66,20 @@ class Plan:
         return data
 
 
-def layout(config: dict) -> dict:
-    """Stage path prefixes ("results/...", "cache/...") -> real paths under the config's dirs."""
-    paths = config.get("paths", {})
-    return {"results": paths.get("results", "results"), "cache": paths.get("cache", "cache")}
-
-
 def real_path(rel: str, config: dict, root: Path) -> Path:
-    top, _, rest = rel.partition("/")
-    return root / layout(config)[top] / rest
+    return root / Layout.of(config).folder(rel)
 
 
 def measure(config: dict, root: Path) -> tuple[dict[str, int], int]:
     """Bytes now held per stage, and the results/ + cache/ total."""
-    per_stage = {name: sum(tree_bytes(real_path(p, config, root)) for p in paths)
-                 for name, _, _, paths in STAGES}
-    total = sum(tree_bytes(root / d) for d in set(layout(config).values()))
+    per_stage = {stage.name: sum(tree_bytes(real_path(p, config, root)) for p in stage.folders)
+                 for stage in STAGES}
+    layout = Layout.of(config)
+    total = sum(tree_bytes(root / d) for d in {layout.results, layout.cache})
     return per_stage, total
 
 
-def stage_outputs_exist(name: str, results: Path) -> bool:
-    """Without Snakemake's DAG: a stage counts as done when its last declared output exists."""
-    if name == "embedded target":
-        return (results / "embedded/build_stats.json").is_file() or (results / "pretrained/target/config.json").is_file()
-    marker = {"regenerate": "regenerate/stats.json", "prepare dataset": "dataset/stats.json",
-              "extract": "hidden_states/eval/manifest.json", "vocab": "vocab/stats.json",
-              "train": "train/eval.json", "export": "draft/model.safetensors",
-              "evaluate": "eval/summary.json", "report": "report/report.json"}.get(name)
-    return marker is not None and (results / marker).is_file()
-
+def stage_outputs_exist(stage: Stage, config: dict, root: Path) -> bool:
+    """Without Snakemake's DAG: a stage counts as done when a file saying so exists."""
+    results = root / Layout.of(config).results
+    return any((results / marker).is_file() for marker in stage.done)

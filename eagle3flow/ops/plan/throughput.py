@@ -10,7 +10,8 @@ from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.ops.plan.footprint import uses_gpu
-from eagle3flow.ops.plan.stages import STAGES, Plan, layout, measure
+from eagle3flow.layout import STAGES, Layout
+from eagle3flow.ops.plan.stages import Plan, measure
 from eagle3flow.ops.plan.workload import workload
 
 def extract_backend(config: dict) -> str:
@@ -49,10 +50,10 @@ def benchmark_seconds(path: Path) -> float | None:
 
 def measured_throughputs(config: dict, root: Path) -> dict:
     """From this directory's last run: extraction and training tokens/s, each rule's seconds."""
-    results = root / layout(config)["results"]
+    layout = Layout.of(config)
     found: dict = {"seconds": {}}
     tokens = seconds = 0.0
-    for path in (results / "hidden_states").rglob("*throughput.jsonl"):
+    for path in (root / layout.folder("results/hidden_states")).rglob("*throughput.jsonl"):
         with open(path) as f:
             for line in f:
                 try:
@@ -64,7 +65,7 @@ def measured_throughputs(config: dict, root: Path) -> dict:
     if tokens and seconds:
         found["extract_tokens_per_s"] = tokens / seconds
     rates = []
-    metrics = results / "train" / "metrics.jsonl"
+    metrics = root / layout.train("metrics.jsonl")
     if metrics.is_file():
         with open(metrics) as f:
             for line in f:
@@ -74,7 +75,7 @@ def measured_throughputs(config: dict, root: Path) -> dict:
                     continue
     if rates:
         found["train_tokens_per_s"] = sorted(rates)[len(rates) // 2]
-    for tsv in (results / "benchmarks").glob("*.tsv"):
+    for tsv in (root / layout.benchmarks).glob("*.tsv"):
         s = benchmark_seconds(tsv)
         if s is not None:
             found["seconds"][tsv.stem] = s
@@ -83,7 +84,7 @@ def measured_throughputs(config: dict, root: Path) -> dict:
 
 def recorded_throughputs(config: dict, root: Path) -> dict:
     """Throughputs of earlier runs of this profile (results/plan/throughput.json)."""
-    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    path = root / Layout.of(config).plan_throughputs
     try:
         with open(path) as f:
             return json.load(f).get(profile_key(config), {})
@@ -98,7 +99,7 @@ def record_throughputs(config: dict, root: Path) -> None:
     work = workload(config, root)
     if work["basis"].endswith("stats.json"):
         measured["tokens"] = work["train_tokens"] + work["eval_tokens"]
-    path = root / layout(config)["results"] / "plan" / "throughput.json"
+    path = root / Layout.of(config).plan_throughputs
     try:
         with open(path) as f:
             data = json.load(f)
@@ -118,7 +119,7 @@ def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Pl
     seconds = measured_throughputs(config, root)["seconds"]
     for s in plan.stages:
         s.actual_bytes = per_stage[s.name]
-        prefixes = next(p for n, p, _, _ in STAGES if n == s.name)
+        prefixes = next(stage.rules for stage in STAGES if stage.name == s.name)
         ran = [v for rule, v in seconds.items() if rule.startswith(prefixes)]
         s.actual_seconds = sum(ran) if ran else None
     plan.actual_peak_bytes = max(peak or 0, total)

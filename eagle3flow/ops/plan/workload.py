@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from eagle3flow.config import regenerate_url
-from eagle3flow.ops.plan.stages import layout
+from eagle3flow.layout import Layout
 from eagle3flow.ops.plan.sizes import format_bytes, tree_bytes
 from eagle3flow.ops.streaming import read_json
 from eagle3flow.target.config import load_target_config
@@ -50,8 +50,9 @@ def target_config(config: dict, root: Path) -> tuple[dict, str]:
     it is built: eagle3flow/target/shapes.py)."""
     path = config["target"]["path"]
     builtin = (config["target"].get("builtin") or "embedded") if not path else None
-    default_dir = {"embedded": "embedded/target", "smollm2-135m": "pretrained/target"}.get(builtin, "embedded/target")
-    target_dir = Path(path) if path else root / layout(config)["results"] / default_dir
+    layout = Layout.of(config)
+    built = {"embedded": layout.embedded_target, "smollm2-135m": layout.pretrained_target}
+    target_dir = Path(path) if path else root / built.get(builtin, layout.embedded_target)
     if not target_dir.is_absolute():
         target_dir = root / target_dir
     cfg_file = target_dir / "config.json"
@@ -106,7 +107,7 @@ def _sample_jsonl(path: Path) -> dict | None:
 
 def newest_regenerate_cache(config: dict, root: Path) -> Path | None:
     """This config's regeneration cache directory (the newest fingerprint), if any."""
-    top = root / layout(config)["cache"] / "regenerate"
+    top = root / Layout.of(config).regenerate_cache
     try:
         dirs = sorted((p for p in top.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     except OSError:
@@ -118,7 +119,7 @@ def answer_tokens(config: dict, root: Path) -> tuple[float, int, str]:
     """(tokens per regenerated answer, answers already made, basis): the stage's stats
     when it finished, else the mean of the answers in its cache, else regenerate.max_tokens
     x ASSUMED_ANSWER_FILL."""
-    stats = read_json(root / layout(config)["results"] / "regenerate" / "stats.json")
+    stats = read_json(root / Layout.of(config).regenerate_stats)
     if stats and stats.get("turns"):
         return stats["completion_tokens"] / stats["turns"], int(stats["turns"]), "regenerate's stats"
     cache = newest_regenerate_cache(config, root)
@@ -147,7 +148,7 @@ def serving_rate(config: dict, root: Path) -> tuple[float, float, str]:
     last regeneration (its stats, or its cache's rate.json while it ran), else assumed."""
     self_served = not regenerate_url(config) and not config["target"]["path"]
     startup = ASSUMED_SELF_SERVED_STARTUP_S if self_served else 0.0
-    stats = read_json(root / layout(config)["results"] / "regenerate" / "stats.json") or {}
+    stats = read_json(root / Layout.of(config).regenerate_stats) or {}
     sent = stats.get("sent") or {}
     if sent.get("completion_tokens") and sent.get("tokens_per_s"):
         return float(sent["tokens_per_s"]), startup, "measured by the last regeneration"
@@ -168,8 +169,7 @@ def workload(config: dict, root: Path) -> dict:
     the answer length from :func:`answer_tokens`; with ``regenerate.answers_per_prompt`` N
     the train split holds N answers of each prompt, the eval split one. ``regenerate`` then
     says how many answers are still to be generated and how many tokens they are."""
-    results = root / layout(config)["results"]
-    stats_file = results / "dataset" / "stats.json"
+    stats_file = root / Layout.of(config).dataset("stats.json")
     regen = bool((config.get("regenerate") or {}).get("enabled"))
     per_prompt = int(config["regenerate"].get("answers_per_prompt", 1)) if regen else 1
     if stats_file.is_file():
