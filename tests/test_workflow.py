@@ -53,7 +53,8 @@ def test_config_override_reaches_the_stage_on_top_of_the_profile(tmp_path):
                        "train={epochs: 5, lr: 0.002}", "hub={dry_run: true}", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     command = next(line for line in result.stdout.splitlines() if "eagle3flow.train.trainer" in line)
-    train = json.loads(command.split("--config-json '", 1)[1].split("'", 1)[0])
+    # The launcher's own --config-json (how many processes) comes first; the trainer's is the last.
+    train = json.loads(command.rsplit("--config-json '", 1)[1].split("'", 1)[0])
     assert (train["epochs"], train["lr"], train["batch_tokens"]) == (5, 0.002, 4096)
 
 
