@@ -194,11 +194,12 @@ def hf_greedy(target: Path, prompts: list[dict], max_new_tokens: int) -> list[li
 
 @pytest.mark.slow
 def test_vllm_runner_subprocess_greedy(chat_target, tmp_path):
-    """A real vLLM engine in a child process: greedy ids match HF's greedy decoding."""
+    """A real vLLM engine in a child process: greedy ids match HF's greedy decoding, and the
+    two best raw logits it records per position (what judges a divergence) are HF's."""
     path = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 3)
     prompts = render_prompts(path, chat_target)
     request = {"target": str(chat_target), "prompts": prompts, "max_tokens": 12,
-               "max_model_len": 128, "dtype": "float32", "device": "cpu"}
+               "max_model_len": 128, "dtype": "float32", "device": "cpu", "top_logits": 2}
     t0 = time.monotonic()
     result = run_vllm(request, tmp_path / "run.json", log_path=tmp_path / "run.log")
     print(f"vLLM baseline run: {time.monotonic() - t0:.1f}s")
@@ -211,6 +212,17 @@ def test_vllm_runner_subprocess_greedy(chat_target, tmp_path):
     for p, o, hf_out in zip(prompts, result["outputs"], hf_greedy(chat_target, prompts, 12)):
         assert o["prompt_len"] == len(p["prompt_token_ids"])
         assert o["output_token_ids"] == hf_out, p["id"]
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(chat_target), dtype=torch.float32).eval()
+    for o in result["outputs"]:
+        assert len(o["top_logits"]) == len(o["output_token_ids"])
+        with torch.no_grad():
+            logits = model(torch.tensor([o["prompt_token_ids"] + o["output_token_ids"]])).logits[0]
+        for j, top in enumerate(o["top_logits"]):
+            values, tokens = logits[o["prompt_len"] - 1 + j].topk(2)
+            assert [t for t, _ in top] == tokens.tolist() and top[0][0] == o["output_token_ids"][j]
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4), (o["id"], j)
 
 
 def test_vllm_runner_bad_request_fails_clearly(tmp_path):
@@ -282,15 +294,49 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     split = summary["eval_split"]
     assert len(split["step_accuracy"]) == k and set(split["simulated_acceptance_length"]) == {"1", "2", "3"}
 
+    assert summary["settings"]["replay"]["run"] and summary["settings"]["replay"]["setting"] == "auto"
+    assert "fit" in summary["settings"]["replay"]["reason"]
+
     # A rerun through the CLI reuses both vLLM runs and every replayed prompt.
     capsys.readouterr()
+    settings = {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu"}
     with deadline(120, "a rerun that should start no vLLM engine"):
         main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
-              "--eval-manifest", str(manifest), "--out", str(out), "--config-json", json.dumps(
-                  {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu"})])
+              "--eval-manifest", str(manifest), "--out", str(out), "--config-json", json.dumps(settings)])
     err = capsys.readouterr().err
     assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
     assert json.loads(out.read_text())["vllm"] == vllm
+
+    # Without the replay (evaluate.replay: false, as auto decides for a target no device
+    # holds): vLLM's acceptance and the lossless check are the same; the replay's numbers null.
+    main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
+          "--eval-manifest", str(manifest), "--out", str(out), "--config-json",
+          json.dumps({**settings, "replay": False})])
+    err = capsys.readouterr().err
+    unreplayed = json.loads(out.read_text())
+    assert "evaluate: replay skipped: evaluate.replay: false" in err and "replay                   skipped" in err
+    assert unreplayed["vllm"] == vllm and unreplayed["lossless"] == summary["lossless"]
+    assert unreplayed["simulated"] is None and unreplayed["acceptance_length_vs_k"] is None
+    assert unreplayed["eval_split"] == summary["eval_split"]
+
+
+def test_replay_is_skipped_for_a_target_no_device_holds(chat_target, tmp_path):
+    """evaluate.replay auto reads the target's size from its safetensors headers: the small
+    target is replayed; one whose header declares 4 TB of float32 weights (a sparse file: no
+    disk taken) exceeds the host's memory and is not, with the sizes named."""
+    from eagle3flow.eval.replay import replay_decision
+
+    assert replay_decision("auto", chat_target, "cpu", "float32")["run"]
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 1 << 41]}}).encode()
+    with open(huge / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + (1 << 41))
+    decision = replay_decision("auto", huge, "cpu", "float32")
+    assert not decision["run"] and decision["target_bytes"] == 4 << 40   # widened to float32
+    assert "4,398.0 GB" in decision["reason"] and "exceed" in decision["reason"]
+    assert replay_decision(True, huge, "cpu", "float32")["run"]          # asked for: tried anyway
 
 
 # ----------------------------------------------------------------------------- prompt sets, drafts

@@ -11,9 +11,7 @@ import torch
 from eagle3flow.eval.agreement import (NEAR_TIE_ULPS, classify_divergence, compare_outputs, dtype_ulp,
                                        lossless_cell, lossless_text)
 from eagle3flow.eval.aggregate import set_result
-from eagle3flow.eval.evaluate import target_logits_at
 from eagle3flow.serving.vllm_runner import engine_arg_names, spec_engine_options
-from support.tiny_targets import make_tiny_llama
 
 
 def test_dtype_ulp_is_the_spacing_of_the_dtype():
@@ -29,71 +27,61 @@ def test_dtype_ulp_is_the_spacing_of_the_dtype():
 
 def test_classify_divergence_needs_the_top_two_and_a_gap_within_the_threshold():
     ulp = dtype_ulp(8.0, "bfloat16")
-    logits = [0.0, 8.0, 8.0 - NEAR_TIE_ULPS * ulp, 1.0]
-    assert classify_divergence(logits, 1, 2, "bfloat16")["near_tie"]
-    assert classify_divergence(logits, 2, 1, "bfloat16")["gap_ulps"] == NEAR_TIE_ULPS
-    wider = [0.0, 8.0, 8.0 - (NEAR_TIE_ULPS + 1) * ulp, 1.0]
+    top = [[1, 8.0], [2, 8.0 - NEAR_TIE_ULPS * ulp]]
+    assert classify_divergence(top, 1, 2, "bfloat16")["near_tie"]
+    assert classify_divergence(top, 2, 1, "bfloat16")["gap_ulps"] == NEAR_TIE_ULPS
+    wider = [[1, 8.0], [2, 8.0 - (NEAR_TIE_ULPS + 1) * ulp]]
     assert not classify_divergence(wider, 1, 2, "bfloat16")["near_tie"]
-    assert not classify_divergence(logits, 1, 3, "bfloat16")["near_tie"], "not the runner-up"
-    assert not classify_divergence(logits, 1, 2, "float32")["near_tie"], "float32 resolves the gap"
+    assert not classify_divergence(top, 1, 3, "bfloat16")["near_tie"], "not the runner-up"
+    assert not classify_divergence(top, 1, 2, "float32")["near_tie"], "float32 resolves the gap"
 
 
-def _tie_target(tmp_path: Path, context: list[int], gaps_ulps: dict[int, float]) -> tuple[Path, int]:
-    """The tiny Llama with lm_head rows set so that, after ``context``, token ``b`` scores
-    ``gaps_ulps[b]`` bf16 ulps below the target's own greedy token (float32 logits).
-    Returns (target, its greedy token)."""
-    from transformers import AutoModelForCausalLM
+def test_near_tie_in_the_engines_logits_passes_apart_and_a_real_mismatch_fails():
+    """Prompt + 2 common tokens, then the runs part. Where the speculative run took the
+    token the baseline engine scored 2 bf16 ulps below its greedy one, that is a near-tie
+    (passes, counted); a runner-up 40 ulps below, a token outside the top two, or a
+    baseline without recorded logits, is a real mismatch. (That the recorded logits are
+    the target's own: tests/test_evaluate.py::test_vllm_runner_subprocess_greedy.)"""
+    prompt, common, greedy, other = [5, 17, 42, 9], [88, 23], 11, 12
+    ulp = dtype_ulp(9.5, "bfloat16")
 
-    path = make_tiny_llama(tmp_path / "target", seed=5)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    head = model.get_output_embeddings().weight
-    assert not model.config.tie_word_embeddings      # moving a head row moves nothing else
-    with torch.no_grad():
-        out = model(torch.tensor([context]), output_hidden_states=True)
-        h = out.hidden_states[-1][0, -1]              # what lm_head reads (final norm applied)
-        greedy = int(out.logits[0, -1].argmax())
-        top = float(out.logits[0, -1, greedy])
-        ulp = dtype_ulp(top, "bfloat16")
-        for token, gap in gaps_ulps.items():
-            head[token] = head[greedy] - gap * ulp * h / h.dot(h)
-        model.save_pretrained(path)
-        logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([context])).logits[0, -1]
-    for token, gap in gaps_ulps.items():
-        assert abs(float(top - logits[token]) - gap * ulp) < 1e-5 * max(1.0, abs(top))
-    return path, greedy
+    def top_logits(n: int, runner_up_gap_ulps: float) -> list:
+        # the engine's two best [token, logit] per position, best first
+        return ([[[t, 9.0], [other, 1.0]] for t in common] + [[[greedy, 9.5], [300, 9.5 - runner_up_gap_ulps * ulp]]]
+                + [[[7, 3.0], [8, 2.0]]] * (n - 3))
 
-
-def test_near_tie_of_the_real_target_passes_apart_and_a_real_mismatch_fails(tmp_path):
-    """Prompt + 2 common tokens, then the runs part. Where the speculative run took a token
-    the target scores 2 bf16 ulps below its greedy one, that is a near-tie (passes, counted);
-    a token 40 ulps below, or one after a different prefix, is a real mismatch."""
-    prompt, common = [5, 17, 42, 9], [88, 23]
-    near_token, far_token = 300, 301
-    path, greedy = _tie_target(tmp_path, prompt + common, {near_token: 2, far_token: 40})
-    logits_at = target_logits_at(path, "cpu", "float32", {})
-
-    base = [{"id": "tie", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7, 7]},
-            {"id": "far", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7]},
-            {"id": "same", "prompt_token_ids": prompt, "output_token_ids": common + [greedy]}]
-    spec = [{"id": "tie", "output_token_ids": common + [near_token, 3]},
-            {"id": "far", "output_token_ids": common + [far_token, 7]},
+    base = [{"id": "tie", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7, 7],
+             "top_logits": top_logits(5, 2)},
+            {"id": "far", "prompt_token_ids": prompt, "output_token_ids": common + [greedy, 7],
+             "top_logits": top_logits(4, 40)},
+            {"id": "outside", "prompt_token_ids": prompt, "output_token_ids": common + [greedy],
+             "top_logits": top_logits(3, 1)},
+            {"id": "same", "prompt_token_ids": prompt, "output_token_ids": common + [greedy],
+             "top_logits": top_logits(3, 1)}]
+    spec = [{"id": "tie", "output_token_ids": common + [300, 3]},
+            {"id": "far", "output_token_ids": common + [300, 7]},
+            {"id": "outside", "output_token_ids": common + [301]},
             {"id": "same", "output_token_ids": common + [greedy]}]
-    judged = compare_outputs(base, spec, logits_at, "bfloat16")
-    assert judged["near_tie_ids"] == ["tie"] and judged["real_mismatch_ids"] == ["far"]
-    assert not judged["passed"] and not judged["identical"]
+    judged = compare_outputs(base, spec, "bfloat16")
+    assert judged["near_tie_ids"] == ["tie"] and judged["real_mismatch_ids"] == ["far", "outside"]
+    assert judged["judged"] and not judged["passed"] and not judged["identical"]
     tie = judged["divergences"]["tie"]
-    assert tie["position"] == 2 and tie["target_top2"] == [greedy, near_token]
+    assert tie["position"] == 2 and tie["target_top2"] == [greedy, 300]
     assert tie["gap_ulps"] == pytest.approx(2, abs=0.01)
     assert judged["divergences"]["far"]["gap_ulps"] == pytest.approx(40, abs=0.1)
-    assert lossless_text(judged) == "FAIL (1/3 real mismatches; 1/3 differ after a numerical near-tie)"
+    assert judged["divergences"]["outside"]["gap_ulps"] is None
+    assert lossless_text(judged) == "FAIL (2/4 real mismatches; 1/4 differ after a numerical near-tie)"
 
-    only_tie = compare_outputs(base[:1] + base[2:], spec[:1] + spec[2:], logits_at, "bfloat16")
+    only_tie = compare_outputs(base[:1] + base[3:], spec[:1] + spec[3:], "bfloat16")
     assert only_tie["passed"] and only_tie["num_near_ties"] == 1 and not only_tie["identical"]
     assert lossless_cell(only_tie) == "identical up to 1/2 near-ties"
     assert lossless_text(only_tie) == "PASS (1/2 differ after a numerical near-tie)"
     # The same divergence served in float32 is no near-tie: 2 bf16 ulps are 2^17 float32 ulps.
-    assert not compare_outputs(base[:1], spec[:1], logits_at, "float32")["passed"]
-    # Unjudged (no logits), every difference is a real mismatch, as before.
+    assert not compare_outputs(base[:1], spec[:1], "float32")["passed"]
+    # Unjudged (no logits recorded, or no serving dtype), every difference is a real mismatch.
+    unrecorded = [{k: v for k, v in o.items() if k != "top_logits"} for o in base[:1]]
+    assert compare_outputs(unrecorded, spec[:1], "bfloat16")["real_mismatch_ids"] == ["tie"]
+    assert not compare_outputs(unrecorded, spec[:1], "bfloat16")["judged"]
     assert compare_outputs(base[:1], spec[:1])["real_mismatch_ids"] == ["tie"]
 
 
@@ -101,11 +89,10 @@ def test_a_speculative_output_cut_short_is_a_real_mismatch():
     base = [{"id": "a", "prompt_token_ids": [1], "output_token_ids": [4, 5, 6]}]
     spec = [{"id": "a", "output_token_ids": [4, 5]}]
 
-    def never(context):
-        raise AssertionError("no logits needed: nothing to compare at the divergence")
-    res = compare_outputs(base, spec, never, "bfloat16")
+    base[0]["top_logits"] = [[[4, 1.0], [5, 0.9]], [[5, 1.0], [6, 0.9]], [[6, 1.0], [5, 1.0]]]
+    res = compare_outputs(base, spec, "bfloat16")
     assert not res["passed"] and res["first_divergence"] == {"a": 2} and res["divergences"] == {}
-    assert not compare_outputs(base, [], never, "bfloat16")["passed"]
+    assert not compare_outputs(base, [], "bfloat16")["passed"]
 
 
 def test_spec_decode_metrics_asked_only_where_the_engine_has_them():
@@ -133,3 +120,8 @@ def test_outputs_without_per_request_metrics_still_evaluate():
     assert r["vllm"]["acceptance_length"] == 2.0 and r["lossless"]["passed"]
     assert r["round_agreement"] is None
     assert r["per_category"]["a"]["vllm_acceptance_length"] is None
+    # Without the replay (evaluate.replay), vLLM's numbers and the lossless check stay.
+    unreplayed = set_result(prompt_set, base_set, spec_set, None, 2, 2, 0.2)
+    assert unreplayed["vllm"] == r["vllm"] and unreplayed["lossless"] == r["lossless"]
+    assert unreplayed["simulated"] is unreplayed["agreement"] is unreplayed["acceptance_length_vs_k"] is None
+    assert unreplayed["per_category"]["a"]["replay_acceptance_length"] is None

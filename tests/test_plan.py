@@ -284,20 +284,36 @@ def test_own_target_on_built_in_prompts_projects_no_embedded_build(tmp_path):
 
 
 def test_target_loads_count_in_gpu_stages_and_the_downtime(tmp_path):
-    """Extraction and evaluation each load the target, and a drained unit loads it again
-    to come back: a 1T-parameter target's ~25 min counts three times in the downtime."""
+    """Extraction loads the target once; the evaluation once per vLLM engine (the baseline,
+    the draft) and once more for the replay where the target fits one GPU; and a drained unit
+    loads it again to come back: a 1T-parameter target's ~25 min counts four times."""
     def plan_with(**resources):
         return plan_lib.project(resolved_config(resources={"gpus": 8, **resources},
                                                 drain={"enabled": True, "unit": "vllm.service"}), tmp_path)
 
     without, given = plan_with(), plan_with(target_load_s=1500)
-    for stage in ("extract", "evaluate"):
-        assert stage_row(given, stage).seconds == pytest.approx(stage_row(without, stage).seconds
-                                                                - without.restart_seconds + 1500)
+    one = without.restart_seconds
+    loads = {"extract": 1, "evaluate": 3}         # the default (embedded) target fits one GPU
+    for stage, n in loads.items():
+        assert stage_row(given, stage).seconds == pytest.approx(stage_row(without, stage).seconds - n * one + n * 1500)
         assert "1500 s target load (resources.target_load_s)" in stage_row(given, stage).time_basis
+    assert "2 vLLM engine(s) (baseline + 1 draft(s) x 1 K) + the replay's HF target" in \
+        stage_row(given, "evaluate").time_basis
     assert given.restart_seconds == 1500
-    assert given.downtime_seconds == pytest.approx(without.downtime_seconds - 3 * without.restart_seconds + 3 * 1500)
+    assert given.downtime_seconds == pytest.approx(without.downtime_seconds - 5 * one + 5 * 1500)
     assert plan_lib.project(resolved_config(resources={"gpus": 8, "target_load_s": 1500}), tmp_path).restart_seconds == 0
+
+
+def test_evaluation_loads_follow_the_engines_and_the_replay():
+    evaluate = resolved_config()["evaluate"]
+    kimi_params, small_params = 1_000_000_000_000, 135_000_000
+    assert plan_lib.evaluation_target_loads(evaluate, small_params)[0] == 3
+    loads, basis = plan_lib.evaluation_target_loads(evaluate, kimi_params)
+    assert loads == 2 and "no replay (the target fits no one GPU)" in basis
+    more = {**evaluate, "vllm_sweep_k": [evaluate["num_speculative_tokens"], 7], "compare_drafts": {"old": "x"}}
+    assert plan_lib.evaluation_target_loads(more, kimi_params)[0] == 1 + 2 * 2
+    assert plan_lib.evaluation_target_loads({**evaluate, "replay": False}, small_params)[0] == 2
+    assert plan_lib.evaluation_target_loads({**evaluate, "replay": True}, kimi_params)[0] == 3
 
 
 def test_backend_auto_is_vllm_on_a_multi_gpu_node_and_projected_so(tmp_path):

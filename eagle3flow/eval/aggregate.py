@@ -26,8 +26,9 @@ def replay_totals(replays: list[dict], k: int) -> dict:
                               [sum(r["accepted_per_pos"][j] for r in rows) for j in range(k)])
 
 
-def per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict, k: int) -> dict:
-    """Accepted draft tokens per category, from vLLM's per-request counts and the replay."""
+def per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict | None, k: int) -> dict:
+    """Accepted draft tokens per category, from vLLM's per-request counts and the replay
+    (its columns null where the replay did not run)."""
     table: dict[str, dict] = {}
     for o in spec_outputs:
         cat = prompt_set["category_of"][o.get("conversation") or o["id"]]
@@ -35,43 +36,55 @@ def per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict, k: i
                                      "vllm_accepted": 0, "replay_drafts": 0,
                                      "replay_accepted": 0})
         served = (o.get("spec_decode") or {}).get("per_step_accepted") or []
-        replay = replays[f"{prompt_set['name']}/{o['id']}"]["by_k"][str(k)]
         row["generations"] += 1
         row["output_tokens"] += len(o["output_token_ids"])
         row["vllm_drafts"] += len(served)
         row["vllm_accepted"] += sum(served)
-        row["replay_drafts"] += replay["rounds"]
-        row["replay_accepted"] += replay["accepted"]
+        if replays is not None:
+            replay = replays[f"{prompt_set['name']}/{o['id']}"]["by_k"][str(k)]
+            row["replay_drafts"] += replay["rounds"]
+            row["replay_accepted"] += replay["accepted"]
     for row in table.values():
-        for src in ("vllm", "replay"):
+        if replays is None:
+            row.update(replay_drafts=None, replay_accepted=None, replay_acceptance_length=None)
+        for src in ("vllm",) + (("replay",) if replays is not None else ()):
             drafts = row[f"{src}_drafts"]
             row[f"{src}_acceptance_length"] = (1 + row[f"{src}_accepted"] / drafts
                                                if drafts else None)
     return dict(sorted(table.items()))
 
 
-def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict, k: int,
-                max_k: int, tolerance: float, logits_at=None, dtype: str | None = None) -> dict:
-    """Everything measured for one draft on one prompt set; ``logits_at``/``dtype``: the
-    target's logits and the serving dtype that judge a divergence (agreement.compare_outputs)."""
+def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict | None, k: int,
+               max_k: int, tolerance: float, dtype: str | None = None) -> dict:
+    """Everything measured for one draft on one prompt set; ``dtype``: the serving dtype
+    that judges a divergence (agreement.compare_outputs). ``replays`` None: the replay did
+    not run (``evaluate.replay``), and what it measures is null (vLLM's numbers stay)."""
     name = prompt_set["name"]
-    set_replays = [replays[f"{name}/{o['id']}"] for o in base_set["outputs"]]
     vllm_acc = vllm_acceptance(spec_set["spec_decode"], base_set, spec_set)
+    result = {
+        "vllm": vllm_acc,
+        "lossless": compare_outputs(base_set["outputs"], spec_set["outputs"], dtype),
+        "simulated": None, "agreement": None, "agreement_ok": None, "round_agreement": None,
+        "acceptance_length_vs_k": None,
+        "per_category": per_category(prompt_set, spec_set["outputs"], replays, k),
+        "per_prompt": None,
+    }
+    if replays is None:
+        return result
+    set_replays = [replays[f"{name}/{o['id']}"] for o in base_set["outputs"]]
     simulated = replay_totals(set_replays, k)
     simulated["num_output_tokens"] = base_set["num_output_tokens"]
     agreement = (simulated["acceptance_length"] / vllm_acc["acceptance_length"]
                  if simulated["acceptance_length"] and vllm_acc["acceptance_length"] else None)
     at_k = [{"id": o["id"], **r["by_k"][str(k)]} for o, r in zip(base_set["outputs"], set_replays)]
     return {
-        "vllm": vllm_acc,
-        "lossless": compare_outputs(base_set["outputs"], spec_set["outputs"], logits_at, dtype),
+        **result,
         "simulated": simulated,
         "agreement": agreement,
         "agreement_ok": agreement is not None and abs(agreement - 1.0) <= tolerance,
         "round_agreement": round_agreement(at_k, spec_set["outputs"]),
         "acceptance_length_vs_k": {str(j): replay_totals(set_replays, j)["acceptance_length"]
                                    for j in range(1, max_k + 1)},
-        "per_category": per_category(prompt_set, spec_set["outputs"], replays, k),
         "per_prompt": per_prompt(at_k, base_set["outputs"], spec_set["outputs"]),
     }
 

@@ -5,8 +5,11 @@ Losslessness on a GPU: in bf16, speculative verification runs other kernels and 
 shapes than plain decoding, so where the target's two best next tokens are within its
 dtype's rounding of each other, either may come out of either run. At the first
 divergence between a prompt's baseline and speculative outputs the target's own logits
-for that position are read (``logits_at``: the HF target on prompt + the common prefix),
-and the divergence is a **near-tie** when the two emitted tokens are the target's top two
+for that position are read: the two best raw logits the serving engine itself computed
+there in the baseline run (each baseline output's ``top_logits``,
+eagle3flow/serving/vllm_runner.py), so judging costs no second load of the target (a
+1T-parameter target fits no single device; the engine's numbers are the served ones). The
+divergence is a **near-tie** when the two emitted tokens are the target's top two
 and their logits differ by at most ``NEAR_TIE_ULPS`` units in the last place of the
 serving dtype at their magnitude (bf16: 8 significant bits, so 4 ulps is a relative gap of
 at most 2^-5, ~3%, of the larger logit; float32: 4 x 2^-23, i.e. an exact tie in practice).
@@ -16,7 +19,7 @@ mismatch** and fails the check. Near-ties are reported apart, never silently.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 NEAR_TIE_ULPS = 4
 # Explicit significand bits of the dtypes vLLM serves in.
@@ -34,27 +37,30 @@ def dtype_ulp(value: float, dtype: str) -> float:
     return 2.0 ** (math.floor(math.log2(magnitude)) - SIGNIFICAND_BITS[dtype])
 
 
-def classify_divergence(logits: Sequence[float], baseline_token: int, speculative_token: int,
+def classify_divergence(top: Sequence[Sequence], baseline_token: int, speculative_token: int,
                         dtype: str) -> dict:
-    """The target's logits at a first divergence -> near-tie or real mismatch (module doc)."""
-    values = [float(x) for x in logits]
-    top2 = sorted(range(len(values)), key=lambda i: -values[i])[:2]
-    a, b = values[baseline_token], values[speculative_token]
+    """The target's best ``[token, logit]`` pairs at a first divergence (best first, at least
+    two) -> near-tie or real mismatch (module doc). A speculative token outside the top two
+    is a real mismatch whatever its logit."""
+    logit_of = {int(token): float(logit) for token, logit in top}
+    top2 = [int(token) for token, _ in top[:2]]
+    verdict = {"baseline_token": int(baseline_token), "speculative_token": int(speculative_token),
+               "target_top2": top2}
+    if set(top2) != {baseline_token, speculative_token}:
+        return {**verdict, "logit_gap": None, "ulp": None, "gap_ulps": None, "near_tie": False}
+    a, b = logit_of[baseline_token], logit_of[speculative_token]
     resolution = dtype_ulp(max(abs(a), abs(b)), dtype)
     gap = abs(a - b)
-    near_tie = set(top2) == {baseline_token, speculative_token} and gap <= NEAR_TIE_ULPS * resolution
-    return {"baseline_token": int(baseline_token), "speculative_token": int(speculative_token),
-            "target_top2": [int(i) for i in top2], "logit_gap": gap, "ulp": resolution,
-            "gap_ulps": gap / resolution, "near_tie": near_tie}
+    return {**verdict, "logit_gap": gap, "ulp": resolution, "gap_ulps": gap / resolution,
+            "near_tie": gap <= NEAR_TIE_ULPS * resolution}
 
 
-def compare_outputs(baseline: list[dict], speculative: list[dict],
-                    logits_at: Callable[[list[int]], Sequence[float]] | None = None,
-                    dtype: str | None = None) -> dict:
-    """Greedy equality per prompt: ids that differ, where they first diverge, and (with
-    ``logits_at`` and the serving ``dtype``) whether each divergence is a numerical
-    near-tie or a real mismatch. ``passed``: no real mismatch; ``identical``: no
-    difference at all. Without ``logits_at`` every difference is a real mismatch."""
+def compare_outputs(baseline: list[dict], speculative: list[dict], dtype: str | None = None) -> dict:
+    """Greedy equality per prompt: ids that differ, where they first diverge, and (where
+    the baseline output carries the engine's ``top_logits`` and the serving ``dtype`` is
+    given) whether each divergence is a numerical near-tie or a real mismatch. ``passed``:
+    no real mismatch; ``identical``: no difference at all. A divergence without those
+    logits is a real mismatch (``judged`` false)."""
     spec_by_id = {o["id"]: o["output_token_ids"] for o in speculative}
     mismatched, first, divergences, real = [], {}, {}, []
     for o in baseline:
@@ -67,11 +73,11 @@ def compare_outputs(baseline: list[dict], speculative: list[dict],
             continue
         pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         first[o["id"]] = pos
-        if logits_at is None or pos >= min(len(a), len(b)):
+        top = (o.get("top_logits") or [])[pos:pos + 1]
+        if dtype is None or not top or len(top[0]) < 2 or pos >= min(len(a), len(b)):
             real.append(o["id"])    # not judged, or one output is a prefix of the other
             continue
-        context = list(o.get("prompt_token_ids") or []) + list(a[:pos])
-        verdict = classify_divergence(logits_at(context), a[pos], b[pos], dtype)
+        verdict = classify_divergence(top[0], a[pos], b[pos], dtype)
         divergences[o["id"]] = {"position": pos, **verdict}
         if not verdict["near_tie"]:
             real.append(o["id"])
@@ -81,7 +87,8 @@ def compare_outputs(baseline: list[dict], speculative: list[dict],
             "num_near_ties": len(near), "near_tie_ids": near,
             "num_real_mismatches": len(real), "real_mismatch_ids": real,
             "first_divergence": first, "divergences": divergences,
-            "judged": logits_at is not None, "dtype": dtype, "rule": NEAR_TIE_RULE}
+            "judged": dtype is not None and all("top_logits" in o for o in baseline),
+            "dtype": dtype, "rule": NEAR_TIE_RULE}
 
 
 def lossless_cell(lossless: dict) -> str:

@@ -7,10 +7,12 @@ Four measurements, all written to ``summary.json`` (docs/formats.md, Evaluation)
    with the target's chat template. From vLLM's spec-decode counters:
    ``acceptance_length = 1 + accepted / drafts`` and per-position acceptance
    ``accepted_per_pos / drafts``. Lossless check: greedy outputs identical per prompt,
-   except where the first divergence is a numerical near-tie of the target's own logits
-   (eagle3flow/eval/agreement.py states the rule); near-ties are counted apart.
+   except where the first divergence is a numerical near-tie of the target's own logits,
+   read from the baseline engine's raw logits (eagle3flow/eval/agreement.py states the
+   rule); near-ties are counted apart.
    Speedup = output tokens/s ratio (reported, meaningless on CPU).
-2. The same acceptance simulated on vLLM's own baseline outputs: the HF target captures
+2. The same acceptance simulated on vLLM's own baseline outputs (``evaluate.replay``: where
+   the target fits one device, eagle3flow/eval/replay.py ``replay_decision``): the HF target captures
    the aux states of ``prompt + output``, the draft predicts its chains
    (``Eagle3Draft.predict_chains``) and ``replay_greedy_speculation`` replays greedy
    speculative decoding round by round (eagle3flow/eval/replay.py). This is the number that must agree with (1);
@@ -41,14 +43,14 @@ from pathlib import Path
 import torch
 
 from eagle3flow.export.load import load_exported_draft
-from eagle3flow.extract.hf import load_target
 from eagle3flow.atomic import write_json
 from eagle3flow.config import EVALUATE_BORROWED, cli_settings, schema_defaults
 from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
 from eagle3flow.eval.prompt_sets import load_prompt_set, longest_context
-from eagle3flow.eval.replay import REPLAY_VERSION, read_draft_config, resolve_precision, simulate_on_outputs
+from eagle3flow.eval.replay import (REPLAY_VERSION, read_draft_config, replay_decision, resolve_precision,
+                                    simulate_on_outputs)
 from eagle3flow.progress import Progress
 from eagle3flow.target.remote_code import check_remote_code
 from eagle3flow.target.tokenizer import load_tokenizer
@@ -70,7 +72,7 @@ class EvalOptions:
     K = 1..``replay_max_k`` (default K) on the baseline's outputs. ``vllm_sweep_k``: more
     Ks every draft is served at (one engine each). ``agreement_tolerance``: how far
     simulated / vLLM acceptance may be from 1. ``eval_split_max_tokens`` caps the eval
-    split's step accuracy.
+    split's step accuracy. ``replay``: auto / true / false (:func:`replay_decision`).
     """
     num_speculative_tokens: int = EVAL_DEFAULTS["num_speculative_tokens"]
     max_tokens: int = EVAL_DEFAULTS["max_tokens"]
@@ -90,6 +92,7 @@ class EvalOptions:
     compare_drafts: dict = field(default_factory=dict)
     replay_max_k: int | None = EVAL_DEFAULTS["replay_max_k"]
     vllm_sweep_k: list = field(default_factory=list)
+    replay: str | bool = EVAL_DEFAULTS["replay"]
 
 
 def job_gpus(torch_device: torch.device, vllm_python: str | None) -> int:
@@ -187,7 +190,9 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         base = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{safe_name(name)}"
         return base if num_tokens == k else f"{base}_k{num_tokens}"
 
-    runs = [("vllm_baseline", base_request)]
+    # The baseline keeps the engine's two best raw logits per position: they judge a
+    # divergence (agreement.compare_outputs) without loading the target again.
+    runs = [("vllm_baseline", dict(base_request, top_logits=2))]
     runs += [(run_name(name, x), spec_request(path, x)) for x in [k] + [x for x in sweep if x != k]
              for name, path in drafts.items()]
     # Engine runs dominate on GPUs and CPUs alike: count them for the ETA.
@@ -203,8 +208,13 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     # Replays are keyed by what determines them: the baseline outputs, the draft, K, dtype.
     units = generation_units(sets, baseline)
     loaded: dict = {}
-    by_draft = {}
+    by_draft = {name: None for name in drafts}
+    replay = replay_decision(o.replay, target_path, o.device, o.dtype)
+    print(f"evaluate: replay {'runs' if replay['run'] else 'skipped'}: {replay['reason']}",
+          file=sys.stderr, flush=True)
     for name, path in drafts.items():
+        if not replay["run"]:
+            break
         replay_key = fingerprint([REPLAY_VERSION, baseline["request_fingerprint"],
                                   dir_stamp(path), max_k, dtype_name, torch_device.type])
         replay_file = ("replay.jsonl" if name == draft_name
@@ -212,7 +222,6 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
                                              label=f"replay {name}", trust_remote_code=trust_remote_code)
-    logits_at = target_logits_at(target_path, o.device, o.dtype, loaded, trust_remote_code)
     serving_dtype = baseline["dtype"]
 
     per_set: dict[str, dict] = {}
@@ -222,11 +231,10 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             spec_sets = {x["name"]: x for x in results[run_name(name, k)]["sets"]}
             per_set[s["name"]][name] = set_result(s, base_sets[s["name"]],
                                                   spec_sets[s["name"]], by_draft[name], k,
-                                                  max_k, o.agreement_tolerance, logits_at,
-                                                  serving_dtype)
+                                                  max_k, o.agreement_tolerance, serving_dtype)
     k_sweep_by_draft = vllm_k_sweep(sets, drafts, sweep, base_sets,
                                     {(name, x): results[run_name(name, x)] for name in drafts for x in sweep},
-                                    logits_at, serving_dtype)
+                                    serving_dtype)
     loaded.clear()
     k_sweep = {set_name: by_name[draft_name] for set_name, by_name in k_sweep_by_draft.items()}
 
@@ -248,6 +256,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "target": str(target_path), "eval_prompts": str(eval_prompts_jsonl),
             "eval_manifest": str(eval_manifest) if eval_manifest is not None else None,
             "aux_layer_ids": draft_configs[draft_name]["eagle_aux_hidden_state_layer_ids"],
+            "replay": replay,
         },
         "main_draft": draft_name,
         "drafts": {name: str(path) for name, path in drafts.items()},
@@ -281,24 +290,8 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     return summary
 
 
-def target_logits_at(target_path: Path, device: str, dtype: str, loaded: dict,
-                     trust_remote_code: bool = False):
-    """``context token ids -> the target's next-token logits`` (float32 on the host), by
-    the HF target in the replay's precision; loaded on first use (only where outputs
-    differ) and kept in ``loaded`` beside the replay's."""
-    def logits_at(context: list[int]) -> torch.Tensor:
-        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
-        key = (str(target_path), str(torch_dtype), str(torch_device))
-        if key not in loaded:
-            loaded[key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
-        with torch.no_grad():
-            ids = torch.tensor([context], dtype=torch.long, device=torch_device)
-            return loaded[key](input_ids=ids).logits[0, -1].float().cpu()
-    return logits_at
-
-
 def vllm_k_sweep(sets: list[dict], drafts: dict, sweep: list[int], base_sets: dict, runs: dict,
-                 logits_at=None, dtype: str | None = None) -> dict:
+                 dtype: str | None = None) -> dict:
     """vLLM itself at every swept K, for every draft: ``{set: {draft: {K: acceptance}}}``;
     ``runs[(draft, K)]``: that engine run's result."""
     k_sweep_by_draft = {}
@@ -310,7 +303,7 @@ def vllm_k_sweep(sets: list[dict], drafts: dict, sweep: list[int], base_sets: di
                 spec_set = {y["name"]: y for y in runs[(name, x)]["sets"]}[s["name"]]
                 acc = vllm_acceptance(spec_set["spec_decode"], base_sets[s["name"]], spec_set)
                 acc["lossless"] = compare_outputs(base_sets[s["name"]]["outputs"],
-                                                  spec_set["outputs"], logits_at, dtype)["passed"]
+                                                  spec_set["outputs"], dtype)["passed"]
                 by_k[str(x)] = acc
     return k_sweep_by_draft
 
@@ -337,10 +330,11 @@ def format_summary(s: dict) -> str:
         f"vllm={s['settings']['vllm_version']}",
         f"  vLLM acceptance length   {_fmt(v['acceptance_length'])}  per position "
         f"[{', '.join(_fmt(a) for a in v['acceptance_rate_per_position'])}]",
-        f"  simulated (replay)       {_fmt(sim['acceptance_length'])}  per position "
-        f"[{', '.join(_fmt(a) for a in sim['acceptance_rate_per_position'])}]",
-        f"  agreement sim/vLLM       {_fmt(s['agreement'])} "
-        f"({'ok' if s['agreement_ok'] else 'OUTSIDE'} +-{s['agreement_tolerance']:.0%})",
+        *([f"  simulated (replay)       {_fmt(sim['acceptance_length'])}  per position "
+           f"[{', '.join(_fmt(a) for a in sim['acceptance_rate_per_position'])}]",
+           f"  agreement sim/vLLM       {_fmt(s['agreement'])} "
+           f"({'ok' if s['agreement_ok'] else 'OUTSIDE'} +-{s['agreement_tolerance']:.0%})"] if sim else
+          [f"  replay                   skipped: {s['settings']['replay']['reason']}"]),
         f"  lossless greedy          {lossless_text(loss)}"
         f"{' real: ' + ', '.join(map(str, loss['real_mismatch_ids'][:5])) if loss.get('real_mismatch_ids') else ''}"
         f"{' near-tie: ' + ', '.join(map(str, loss['near_tie_ids'][:5])) if loss.get('near_tie_ids') else ''}",
@@ -353,7 +347,7 @@ def format_summary(s: dict) -> str:
     for set_name, by_draft in (s.get("results") or {}).items():
         for draft, r in by_draft.items():
             lines.append(f"  [{set_name}] {draft:<12} vLLM AL {_fmt(r['vllm']['acceptance_length'])}"
-                         f"  replay AL {_fmt(r['simulated']['acceptance_length'])}"
+                         f"  replay AL {_fmt((r['simulated'] or {}).get('acceptance_length'))}"
                          f"  speedup {_fmt(r['vllm']['speedup'], '.2f')}x"
                          f"  lossless {lossless_text(r['lossless'])}")
     if s.get("eval_split"):

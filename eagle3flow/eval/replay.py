@@ -19,6 +19,7 @@ from eagle3flow.device import resolve_device
 from eagle3flow.extract.extraction import resolve_dtype
 from eagle3flow.extract.hf import capture, load_target
 from eagle3flow.progress import Progress
+from eagle3flow.target.files import loaded_weight_bytes
 
 # Bump when the replay's meaning changes, so cached per-prompt replays are not reused.
 REPLAY_VERSION = 2
@@ -92,6 +93,41 @@ def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtyp
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     return torch_device, torch_dtype, str(torch_dtype).replace("torch.", "")
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """What one replay device holds: a GPU's memory, or the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+# The share of one device the target's weights may take for the replay (activations,
+# the draft and the allocator's slack take the rest).
+REPLAY_MEMORY_SHARE = 0.85
+
+
+def replay_decision(setting, target_path: Path, device: str, dtype: str) -> dict:
+    """Whether the replay runs (``evaluate.replay``: auto / true / false), and why.
+
+    auto: where the target's weights, loaded in the replay's dtype, fit REPLAY_MEMORY_SHARE
+    of one replay device (the replay loads the HF target on one device; a 1T-parameter
+    target fits none). Decided from the safetensors headers, before any load."""
+    if setting is True or setting is False:
+        return {"run": setting, "setting": setting, "reason": f"evaluate.replay: {str(setting).lower()}"}
+    if setting != "auto":
+        raise ValueError(f"evaluate.replay: {setting!r}; expected auto, true or false")
+    torch_device, torch_dtype, dtype_name = resolve_precision(device, dtype)
+    weights = loaded_weight_bytes(target_path, torch.empty((), dtype=torch_dtype).element_size())
+    memory = device_memory_bytes(torch_device)
+    fits = weights <= REPLAY_MEMORY_SHARE * memory
+    where = "one GPU's memory" if torch_device.type == "cuda" else "the host's available memory"
+    return {"run": fits, "setting": "auto", "target_bytes": weights, "device_bytes": memory,
+            "reason": (f"the target's weights in {dtype_name} ({weights / 1e9:,.1f} GB) "
+                       f"{'fit' if fits else 'exceed'} {REPLAY_MEMORY_SHARE:.0%} of {where} "
+                       f"({memory / 1e9:,.1f} GB on {torch_device})")}
 
 
 def load_replays(path: Path, key: str) -> dict[str, dict]:

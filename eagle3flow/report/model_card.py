@@ -60,18 +60,22 @@ def evaluation_lines(summary: dict) -> list[str]:
         src = summary["prompt_sets"][name]
         rows.append([name, str(src["num_prompts"]), _num(r["vllm"]["acceptance_length"]),
                      " / ".join(_num(a, ".2f") for a in r["vllm"]["acceptance_rate_per_position"]),
-                     _num(r["simulated"]["acceptance_length"]),
+                     _num((r["simulated"] or {}).get("acceptance_length")),
                      lossless_cell(r["lossless"])])
     lines += _table(["prompt set", "prompts", f"acceptance length (vLLM, K={k})",
                      "acceptance per position", "replay", "greedy outputs vs target alone"], rows)
     lines += ["", f"Greedy outputs: {NEAR_TIE_RULE}; a near-tie is counted apart and does not "
                   "fail the check, a real mismatch does."]
     max_k = summary["settings"].get("replay_max_k") or k
-    lines += ["", "Acceptance length vs K (exact replay):", ""]
-    lines += _table(["prompt set"] + [f"K={j}" for j in range(1, max_k + 1)],
-                    [[name] + [_num(by_draft[main]["acceptance_length_vs_k"].get(str(j)))
-                               for j in range(1, max_k + 1)]
-                     for name, by_draft in summary["results"].items()])
+    replay = summary["settings"].get("replay") or {"run": True}
+    if replay["run"]:
+        lines += ["", "Acceptance length vs K (exact replay):", ""]
+        lines += _table(["prompt set"] + [f"K={j}" for j in range(1, max_k + 1)],
+                        [[name] + [_num(by_draft[main]["acceptance_length_vs_k"].get(str(j)))
+                                   for j in range(1, max_k + 1)]
+                         for name, by_draft in summary["results"].items()])
+    else:
+        lines += ["", f"The replay did not run ({replay['reason']}; `evaluate.replay`)."]
     sweep = (summary.get("vllm_k_sweep_by_draft") or {})
     served = [[name, str(x), _num(v["acceptance_length"])] for name, by_draft in sweep.items()
               for x, v in sorted((by_draft.get(main) or {}).items(), key=lambda i: int(i[0]))]

@@ -66,8 +66,9 @@ def plot_acceptance_per_position(summary: dict, path) -> Path:
             rates = r["vllm"]["acceptance_rate_per_position"]
             xs = list(range(1, len(rates) + 1))
             line, = ax.plot(xs, rates, marker="o", label=f"{set_name} / {draft} (vLLM)")
-            ax.plot(xs, r["simulated"]["acceptance_rate_per_position"], linestyle=":",
-                    color=line.get_color(), label=f"{set_name} / {draft} (replay)")
+            if r["simulated"]:
+                ax.plot(xs, r["simulated"]["acceptance_rate_per_position"], linestyle=":",
+                        color=line.get_color(), label=f"{set_name} / {draft} (replay)")
             plotted += 1
     if not plotted:
         _no_data(ax, "acceptance")
@@ -94,7 +95,7 @@ def plot_acceptance_vs_k(summary: dict, path) -> Path:
             curve = r.get("acceptance_length_vs_k") or {}
             ks = sorted(int(x) for x in curve)
             line, = ax.plot(ks, [curve[str(x)] for x in ks], marker=".",
-                            label=f"{set_name} / {draft} (replay)")
+                            label=f"{set_name} / {draft} (replay)" if ks else None)
             plotted += 1
             by_draft = (summary.get("vllm_k_sweep_by_draft") or {}).get(set_name) or {}
             swept = by_draft.get(draft, (sweep.get(set_name) or {}) if draft == main else {})

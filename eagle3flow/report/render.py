@@ -160,7 +160,7 @@ def evaluation_html(summary: dict) -> str:
         for draft, r in by_draft.items():
             v = r["vllm"]
             rows.append([_e(set_name), _e(draft), _num(sets[set_name]["num_generations"]),
-                         _num(v["acceptance_length"]), _num(r["simulated"]["acceptance_length"]),
+                         _num(v["acceptance_length"]), _num((r["simulated"] or {}).get("acceptance_length")),
                          " / ".join(_num(a, ".2f") for a in v["acceptance_rate_per_position"]),
                          _num(v["num_accepted_tokens"]),
                          _num(v["baseline_output_tokens_per_s"], ".1f"),
@@ -197,7 +197,7 @@ def evaluation_html(summary: dict) -> str:
         parts.append(_table(header, rows, attrs=attrs, table_id=f"categories-{_e(set_name)}"))
 
     max_k = settings.get("replay_max_k") or k
-    rows = [[_e(s), _e(d)] + [_num(r["acceptance_length_vs_k"].get(str(j))) for j in range(1, max_k + 1)]
+    rows = [[_e(s), _e(d)] + [_num((r["acceptance_length_vs_k"] or {}).get(str(j))) for j in range(1, max_k + 1)]
             for s, by_draft in results.items() for d, r in by_draft.items()]
     parts.append("<h3>Acceptance length vs K (exact greedy replay on the baseline's outputs)</h3>")
     parts.append(_table(["prompt set", "draft"] + [f"K={j}" for j in range(1, max_k + 1)], rows,

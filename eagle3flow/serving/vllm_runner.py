@@ -15,14 +15,14 @@ Request JSON (written by :func:`run_vllm`, read by :func:`main`)::
                                    "num_speculative_tokens": K},
      "max_tokens": 64, "max_model_len": 2048, "dtype": "auto", "device": "auto",
      "tensor_parallel_size": 1, "enforce_eager": null, "gpu_memory_utilization": 0.85,
-     "ignore_eos": false, "seed": 0, "trust_remote_code": false}
+     "ignore_eos": false, "seed": 0, "trust_remote_code": false, "top_logits": 0}
 
 Result JSON::
 
     {"vllm_version", "device", "dtype", "speculative_config", "load_time_s", "wall_time_s",
      "num_output_tokens", "output_tokens_per_s",
      "outputs": [{"id", "prompt_len", "prompt_token_ids", "output_token_ids", "finish_reason",
-                  "conversation", "turn",
+                  "conversation", "turn", "top_logits" (with top_logits N > 0),
                   "spec_decode": null | {"histogram", "num_draft_tokens",
                                          "per_step_accepted", "per_step_drafted"}}],
      "spec_decode": null | {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -37,6 +37,11 @@ single generations; its ``conversations`` are answered turn by turn (MT-bench): 
 answers in between, rendered here with the target's chat template; their outputs are
 named ``<id>#<turn>`` (turn from 1). Top-level ``outputs``/timings/counters are the
 totals over all sets.
+
+``top_logits`` N > 0: every output also carries, per generated position, the engine's
+own N best next tokens with their raw logits (``[[token, logit], ...]``, best first; vLLM's
+``logprobs_mode="raw_logits"``). What judges a greedy divergence (eagle3flow/eval/agreement.py)
+without loading the target a second time, and in the numbers the serving engine computed.
 
 Greedy decoding (temperature 0). Prompts are token ids rendered by the caller, so
 every engine sees exactly the same input. This module imports only the standard
@@ -79,6 +84,7 @@ REQUEST_DEFAULTS = {
     "sets": None,
     "chat_template_kwargs": {},
     "trust_remote_code": False,     # target.trust_remote_code: the engine's and the tokenizer's
+    "top_logits": 0,                # N best raw logits per generated position (module doc)
 }
 
 
@@ -204,6 +210,22 @@ def spec_engine_options(arg_names: set[str]) -> dict:
     return {}
 
 
+def top_logits_options(arg_names: set[str], top_logits: int) -> dict:
+    """Engine options that make a request's logprobs the raw logits (``top_logits`` > 0).
+
+    Raw, not log-probabilities: whether two tokens tie is a question of their logits at the
+    serving dtype's resolution (eagle3flow/eval/agreement.py), and a log-softmax moves their
+    magnitude. A vLLM without ``logprobs_mode`` is refused: its logprobs would be judged as
+    logits."""
+    if not top_logits:
+        return {}
+    if "logprobs_mode" not in arg_names:
+        raise RuntimeError("this vLLM has no logprobs_mode engine argument: it cannot report "
+                           "raw logits, which the lossless check needs (top_logits); use a vLLM "
+                           "of the tested range (README, vLLM)")
+    return {"logprobs_mode": "raw_logits", "max_logprobs": max(20, int(top_logits))}
+
+
 def engine_core_in_process(target: str | os.PathLike) -> bool:
     """Whether a one-worker engine may run its core in this process (no engine-core child
     to start, whose imports take seconds, or to leave behind when killed).
@@ -299,13 +321,15 @@ def generate(request: dict) -> dict:
         if backend:   # an MLA draft picks its own backend: the same one as its target
             kwargs["speculative_config"].setdefault("attention_backend", backend)
         kwargs.update(spec_engine_options(engine_arg_names()))
+    top_logits = int(request["top_logits"])
+    kwargs.update(top_logits_options(engine_arg_names() if top_logits else set(), top_logits))
 
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     load_time = time.perf_counter() - t0
 
     params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]),
-                            ignore_eos=bool(request["ignore_eos"]))
+                            ignore_eos=bool(request["ignore_eos"]), logprobs=top_logits or None)
     sets = request["sets"] or [{"name": "default", "prompts": request["prompts"]}]
     first = next(([{"prompt_token_ids": list(p["prompt_token_ids"])}] for s in sets
                   for p in (s.get("prompts") or [])[:1]), None)
@@ -352,6 +376,16 @@ def generate(request: dict) -> dict:
         "spec_decode": totals,
         "sets": set_results,
     }
+
+
+def _top_logits(completion, n: int) -> list[list[list]]:
+    """Per generated position, the ``n`` best ``[token, raw logit]`` pairs, best first (vLLM
+    adds the sampled token to the top ``n`` where it is not among them: dropped here)."""
+    rows = []
+    for position in completion.logprobs or []:
+        best = sorted(position.items(), key=lambda item: item[1].rank)[:n]
+        rows.append([[int(token), float(entry.logprob)] for token, entry in best])
+    return rows
 
 
 def _num_generations(prompt_set: dict) -> int:
@@ -404,6 +438,7 @@ def _generate_set(llm, prompt_set: dict, params, spec, tokenizer, request: dict,
                          "prompt_token_ids": list(item["prompt_token_ids"]),
                          "output_token_ids": [int(t) for t in c.token_ids],
                          "finish_reason": c.finish_reason,
+                         **({"top_logits": _top_logits(c, params.logprobs)} if params.logprobs else {}),
                          "spec_decode": _request_metrics(c) if spec else None})
         progress.update(len(items))
         return done

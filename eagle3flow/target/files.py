@@ -66,3 +66,37 @@ def weight_problems(target_dir: str | os.PathLike) -> list[str]:
     if not files:
         return [f"{target}: no weights (neither {INDEX} nor any *.safetensors file)"]
     return [p for p in (_header_problem(file, set()) for file in files) if p]
+
+
+# Safetensors dtypes of floating-point tensors (a loader may widen them); the rest are
+# quantized or integer payloads a loader keeps as stored.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return {name: spec for name, spec in json.loads(f.read(length)).items() if name != "__metadata__"}
+
+
+def loaded_weight_bytes(target_dir: str | os.PathLike, bytes_per_float: int) -> int:
+    """At least what the target's weights take once loaded with floating-point tensors in a
+    dtype of ``bytes_per_float`` bytes: float tensors at that width, the others (quantized
+    payloads) as stored; never less than the files themselves. From the headers only."""
+    target = Path(target_dir)
+    index = target / INDEX
+    files = (sorted({target / f for f in json.loads(index.read_text())["weight_map"].values()})
+             if index.is_file() else sorted(target.glob("*.safetensors")))
+    loaded = stored = 0
+    for file in files:
+        stored += file.stat().st_size
+        for spec in _header(file).values():
+            start, end = spec["data_offsets"]
+            if spec["dtype"] in FLOAT_DTYPES:
+                numel = 1
+                for dim in spec["shape"]:
+                    numel *= int(dim)
+                loaded += numel * bytes_per_float
+            else:
+                loaded += int(end) - int(start)
+    return max(loaded, stored)

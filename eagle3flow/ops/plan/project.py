@@ -38,6 +38,9 @@ ASSUMED_PRETRAINED_BUILD_S = 60.0
 # Reading, sharding and warming up a target on GPUs (vLLM's CUDA graphs included), per byte
 # of its weights: ~25 min for Kimi-K2.5 INT4's ~595 GB, as its production unit restarts.
 ASSUMED_TARGET_LOAD_BYTES_PER_S = 0.4e9
+# One GPU's memory when the plan must guess whether evaluate.replay: auto will load the HF
+# target on one device (the evaluation decides from the device itself: eval/replay.py).
+ASSUMED_REPLAY_DEVICE_BYTES = 80e9
 
 
 def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
@@ -154,8 +157,9 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     ev = config["evaluate"]
     n_prompts = ev.get("num_prompts") or work["eval_samples"]
     s, sb = scaled_seconds("evaluate_draft", 0, ASSUMED_EVALUATE_S[device_class], "assumed")
-    if sb == "assumed":     # a last run's time has its load in it already
-        s, sb = s + load_s, sb + load_basis
+    if sb == "assumed" and load_s:     # a last run's time has its loads in it already
+        loads, loads_basis = evaluation_target_loads(ev, total_params)
+        s, sb = s + loads * load_s, f"{sb} + {loads} x{load_basis[2:]}: {loads_basis}"
     proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests", s, sb)
     proj["report"] = (600_000, "plots and tables",
                       *scaled_seconds("build_report", 0, ASSUMED_SECONDS["report"], "assumed"))
@@ -212,6 +216,22 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         plan.notes.append("target.trust_remote_code is on: every stage that loads the target "
                           "(tokenizer, transformers, vLLM) runs the Python code it ships (auto_map)")
     return plan
+
+
+def evaluation_target_loads(evaluate: dict, total_params: int) -> tuple[int, str]:
+    """How many times the evaluation loads the target, and which: one vLLM engine for the
+    baseline and one per draft and K served (eval/evaluate.py), and the HF target of the
+    replay where ``evaluate.replay`` will run it (auto: the target's bf16 weights within
+    85% of one ASSUMED_REPLAY_DEVICE_BYTES GPU, as eval/replay.py decides on the device)."""
+    ks = {int(evaluate["num_speculative_tokens"]), *(int(k) for k in evaluate.get("vllm_sweep_k") or [])}
+    drafts = 1 + len(evaluate.get("compare_drafts") or {})
+    engines = 1 + drafts * len(ks)
+    setting = evaluate.get("replay", "auto")
+    replay = setting is True or (setting == "auto" and total_params * 2 <= 0.85 * ASSUMED_REPLAY_DEVICE_BYTES)
+    return engines + int(replay), (f"{engines} vLLM engine(s) (baseline + {drafts} draft(s) x {len(ks)} K)"
+                                   + (" + the replay's HF target" if replay else
+                                      ", no replay (evaluate.replay)" if setting is False else
+                                      ", no replay (the target fits no one GPU)"))
 
 
 def target_load(config: dict, root: Path, total_params: int, target_dtype: str) -> tuple[float, str]:
