@@ -56,7 +56,7 @@ from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_per_token
 from eagle3flow.progress import Progress
-from eagle3flow.train.build import build_draft, load_vocab_map
+from eagle3flow.train.build import build_draft, load_unreachable_head, load_vocab_map
 from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
                                          init_state_path, list_checkpoints, read_state, restore_training_state,
                                          save_checkpoint, training_state)
@@ -66,6 +66,7 @@ from eagle3flow.train.distributed import DistContext, init_distributed, sum_grad
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.loss import ttt_loss
 from eagle3flow.train.metrics import TrainMetrics, read_metrics, start_metrics_files
+from eagle3flow.train.objective import Objective
 from eagle3flow.train.optim import build_optimizers, build_schedule
 from eagle3flow.train.trackers import Trackers
 
@@ -83,6 +84,7 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
     the number of this run's first epoch (seeds the shuffle).
     """
     cfg = section_settings("train", config)
+    Objective.of(cfg)    # a bad loss is refused before any model loads
     if schedule_tokens is not None and int(schedule_tokens) < 1:
         raise ValueError(f"schedule_tokens must be >= 1, got {schedule_tokens}")
     if int(data_epoch) < 0:
@@ -123,6 +125,10 @@ class Trainer:
             model.embed_tokens.to(torch.bfloat16)
         self.model = model.to(device).train()
         self.teacher_head = teacher_head.to(device, torch.bfloat16 if self.autocast else torch.float32)
+        self.objective = Objective.of(cfg)
+        self.unreachable_head = None
+        if self.objective.needs_target_mass:
+            self.unreachable_head = load_unreachable_head(target_path, t2d).to(device, self.teacher_head.dtype)
         named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
@@ -178,7 +184,11 @@ class Trainer:
         loss, stats = None, [(0.0, 0.0, 0)] * num_steps
         if batch["input_ids"].numel():
             loss, stats = ttt_loss(model, batch, self.teacher_head, num_steps, cfg["step_loss_decay"],
-                                   self.autocast, denominators=denominators)
+                                   self.autocast, denominators=denominators, objective=self.objective,
+                                   unreachable_head=self.unreachable_head, reduce_sum=self.ctx.all_reduce_sum)
+        elif self.objective.needs_step_acceptance:
+            # lk_hybrid's blend sums acceptance over ranks: a rank without rows still takes part.
+            self.ctx.all_reduce_sum(torch.zeros(num_steps, device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
         if loss is not None and loss.requires_grad:
             loss.backward()
