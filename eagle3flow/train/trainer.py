@@ -1,7 +1,9 @@
 """Train the EAGLE-3 draft with training-time test (TTT) on extracted hidden states.
 
-Loss: eagle3flow/train/loss.py. The teacher head is the target lm_head's ``t2d`` rows
-``[Vd, H]``, so the full target vocab (e.g. 163840) is never materialised. The draft
+Loss: eagle3flow/train/loss.py, ``train.loss`` eagle3flow/train/objective.py. The teacher
+head is the target lm_head's ``t2d`` rows ``[Vd, H]``, so the full target vocab (e.g.
+163840) is never materialised; the acceptance losses also hold the other rows, whose
+logits only enter a logsumexp one chunk of rows at a time. The draft
 is built from the target by eagle3flow/train/build.py; its optimizer and LR schedule
 are eagle3flow/train/optim.py's.
 
