@@ -42,8 +42,9 @@ def test_tv_and_nla_equal_their_closed_forms_with_mass_outside_the_draft_vocab()
     p = q_full[:3] / 0.8
     ce = -(p * draft.squeeze(0).log()).sum().item()
     args = (draft.log(), torch.eye(3), teacher, teacher_lse, target_lse, torch.tensor([0]), torch.tensor([0]))
+    mixed = 0.5 * ce + 2 * (1 - alpha) - 0.25 * math.log(alpha)
     for weights, want in (((0.0, 1.0, 0.0), 1 - alpha), ((0.0, 0.0, 1.0), -math.log(alpha)),
-                          ((1.0, 0.0, 0.0), ce), ((0.5, 2.0, 0.25), 0.5 * ce + 2 * (1 - alpha) - 0.25 * math.log(alpha))):
+                          ((1.0, 0.0, 0.0), ce), ((0.5, 2.0, 0.25), mixed)):
         w = [torch.tensor([v]) for v in weights]
         for fn in (linear_acceptance_loss, chunked):
             total, row_ce, row_alpha, hits = fn(*args, *w)

@@ -208,7 +208,8 @@ def test_chunked_linear_acceptance_loss_matches_reference():
     loss, ce, alpha, hits = _ChunkedLinearAcceptance.apply(*fast, teacher, lse, target_lse, target, argmax,
                                                            *weights, 128 * vocab)
     ref_loss, ref_ce, ref_alpha, ref_hits = linear_acceptance_loss_reference(
-        *ref, teacher.double(), lse.double(), target_lse.double(), target, argmax, *(weight.double() for weight in weights))
+        *ref, teacher.double(), lse.double(), target_lse.double(), target, argmax,
+        *(weight.double() for weight in weights))
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)
     assert _rel(ce, ref_ce) < 1e-2 and _rel(alpha, ref_alpha) < 2e-2
     assert float((hits == ref_hits).float().mean()) > 0.95
