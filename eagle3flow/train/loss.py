@@ -12,6 +12,7 @@ rows (:func:`objective_step_loss`); the step weights stay.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -178,13 +179,34 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
                                       num_steps, layout, compute_logits=False, normed=True)
-    stats = torch.zeros(num_steps, 3, device=device)
     if sum(counts) == 0:
-        return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
     # Every step's scored rows through the lm_head and the loss at once: one GEMM per
     # direction and one lm_head gradient instead of one per step.
-    rows_per_step = rows.split(counts)
-    x = _GatherRows.apply(rows_per_step, *normed)
+    scored = gather_scored_rows(normed, rows, counts, num_steps, decay, denominators)
+    total, row_ce, hits = linear_soft_cross_entropy(scored.x, model.lm_head.weight.to(scored.x.dtype), t_logits,
+                                                    t_lse, scored.target, t_argmax, scored.row_scale)
+    return total, step_stats(scored, row_ce, hits, num_steps)
+
+
+@dataclass
+class ScoredRows:
+    """Every TTT step's scored rows as one batch: the draft's normed states ``x [S, H]``,
+    each row's step ``step_id [S]`` and teacher row ``target [S]``, the steps' row counts
+    ``counts [K]`` and normalisers ``denominator [K]`` (float32), and each row's weight
+    ``row_scale [S]`` = ``decay**j / denominator[j]``."""
+    x: torch.Tensor
+    step_id: torch.Tensor
+    target: torch.Tensor
+    counts: torch.Tensor
+    denominator: torch.Tensor
+    row_scale: torch.Tensor
+
+
+def gather_scored_rows(normed: list[torch.Tensor], rows: torch.Tensor, counts: list[int], num_steps: int,
+                       decay: float, denominators: list[int] | None) -> ScoredRows:
+    device = normed[0].device
+    x = _GatherRows.apply(rows.split(counts), *normed)
     count_t = host_to_device(counts, device, torch.float32)
     step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long(),
                                       output_size=rows.numel())
@@ -193,12 +215,19 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     denominator = count_t if denominators is None else host_to_device(denominators, device, torch.float32)
     decays = host_to_device([decay ** j for j in range(num_steps)], device, torch.float32)
     row_scale = (decays / denominator.clamp(min=1))[step_id]
-    total, row_ce, hits = linear_soft_cross_entropy(x, model.lm_head.weight.to(x.dtype), t_logits, t_lse,
-                                                    target, t_argmax, row_scale)
-    stats[:, 0] = torch.zeros(num_steps, device=device).index_add_(0, step_id, row_ce) / denominator.clamp(min=1)
-    stats[:, 1] = torch.zeros(num_steps, device=device).index_add_(0, step_id, hits.float()) / count_t.clamp(min=1)
-    stats[:, 2] = count_t
-    return total, StepStats(stats)
+    return ScoredRows(x, step_id, target, count_t, denominator, row_scale)
+
+
+def step_stats(scored: ScoredRows, row_loss: torch.Tensor, hits: torch.Tensor, num_steps: int) -> StepStats:
+    """Each step's mean loss (over its global normaliser), argmax accuracy and rows."""
+    device = row_loss.device
+    stats = torch.zeros(num_steps, 3, device=device)
+    stats[:, 0] = (torch.zeros(num_steps, device=device).index_add_(0, scored.step_id, row_loss)
+                   / scored.denominator.clamp(min=1))
+    stats[:, 1] = (torch.zeros(num_steps, device=device).index_add_(0, scored.step_id, hits.float())
+                   / scored.counts.clamp(min=1))
+    stats[:, 2] = scored.counts
+    return StepStats(stats)
 
 
 def objective_step_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
@@ -219,60 +248,47 @@ def objective_step_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Ten
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
                                       num_steps, layout, compute_logits=False, normed=True)
-    stats = torch.zeros(num_steps, 3, device=device)
     empty = sum(counts) == 0
     if empty and not objective.needs_step_acceptance:
-        return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
-    rows_per_step = rows.split(counts)
-    x = _GatherRows.apply(rows_per_step, *normed) if not empty else normed[0][:0]
-    count_t = host_to_device(counts, device, torch.float32)
-    step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long(),
-                                      output_size=rows.numel())
-    target = rows + step_id + 1
-    denominator = count_t if denominators is None else host_to_device(denominators, device, torch.float32)
-    decays = host_to_device([decay ** j for j in range(num_steps)], device, torch.float32)
-    row_scale = (decays / denominator.clamp(min=1))[step_id]
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
+    scored = gather_scored_rows(normed, rows, counts, num_steps, decay, denominators)
     # The temperature divides the draft's logits too: through the weight, so autograd
     # carries the 1/T into the lm_head's and the hidden states' gradients.
-    weight = model.lm_head.weight.to(x.dtype)
+    weight = model.lm_head.weight.to(scored.x.dtype)
     if temperature != 1.0:
         weight = weight / temperature
     kl_weight = objective.weight("forward_kl")
     if not objective.needs_target_mass:
-        total, row_ce, hits = linear_soft_cross_entropy(x, weight, t_logits, t_lse, target, t_argmax,
-                                                        row_scale * kl_weight)
-        row_loss = kl_weight * row_ce
-    else:
-        if unreachable_head is None:
-            raise ValueError(f"train.loss {dict(objective.weights)} compares with the target's full "
-                             "distribution: the lm_head rows outside the draft vocab are needed")
-        target_lse = target_logsumexp(batch["last"], t_lse, unreachable_head, temperature)
-        ce_w = torch.full_like(row_scale, kl_weight)
-        tv_w = torch.full_like(row_scale, objective.weight("tv"))
-        if objective.needs_step_acceptance:
-            blend = hybrid_blend(x, weight, t_logits, t_lse, target_lse, target, step_id, num_steps,
-                                 denominator, objective.hybrid_eta, reduce_sum)[step_id]
-            ce_w = ce_w + objective.weight("lk_hybrid") * blend
-            tv_w = tv_w + objective.weight("lk_hybrid") * (1 - blend)
-        nla_w = torch.full_like(row_scale, objective.weight("nla"))
-        if empty:
-            return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
-        total, row_ce, alpha, hits = linear_acceptance_loss(
-            x, weight, t_logits, t_lse, target_lse, target, t_argmax,
-            ce_w * row_scale, tv_w * row_scale, nla_w * row_scale)
-        row_loss = mixed_row_loss(row_ce, alpha, ce_w, tv_w, nla_w)
-    stats[:, 0] = torch.zeros(num_steps, device=device).index_add_(0, step_id, row_loss) / denominator.clamp(min=1)
-    stats[:, 1] = torch.zeros(num_steps, device=device).index_add_(0, step_id, hits.float()) / count_t.clamp(min=1)
-    stats[:, 2] = count_t
-    return total, StepStats(stats)
+        total, row_ce, hits = linear_soft_cross_entropy(scored.x, weight, t_logits, t_lse, scored.target, t_argmax,
+                                                        scored.row_scale * kl_weight)
+        return total, step_stats(scored, kl_weight * row_ce, hits, num_steps)
+    if unreachable_head is None:
+        raise ValueError(f"train.loss {dict(objective.weights)} compares with the target's full "
+                         "distribution: the lm_head rows outside the draft vocab are needed")
+    target_lse = target_logsumexp(batch["last"], t_lse, unreachable_head, temperature)
+    ce_w = torch.full_like(scored.row_scale, kl_weight)
+    tv_w = torch.full_like(scored.row_scale, objective.weight("tv"))
+    nla_w = torch.full_like(scored.row_scale, objective.weight("nla"))
+    if objective.needs_step_acceptance:
+        # before the empty return: every rank takes part in the blend's sum over ranks
+        blend = hybrid_blend(scored, weight, t_logits, t_lse, target_lse, num_steps, objective.hybrid_eta,
+                             reduce_sum)[scored.step_id]
+        ce_w = ce_w + objective.weight("lk_hybrid") * blend
+        tv_w = tv_w + objective.weight("lk_hybrid") * (1 - blend)
+    if empty:
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
+    total, row_ce, alpha, hits = linear_acceptance_loss(
+        scored.x, weight, t_logits, t_lse, target_lse, scored.target, t_argmax,
+        ce_w * scored.row_scale, tv_w * scored.row_scale, nla_w * scored.row_scale)
+    return total, step_stats(scored, mixed_row_loss(row_ce, alpha, ce_w, tv_w, nla_w), hits, num_steps)
 
 
-def hybrid_blend(x, weight, t_logits, t_lse, target_lse, target, step_id, num_steps: int,
-                 denominator: torch.Tensor, eta: float, reduce_sum) -> torch.Tensor:
+def hybrid_blend(scored: ScoredRows, weight: torch.Tensor, t_logits, t_lse, target_lse, num_steps: int,
+                 eta: float, reduce_sum) -> torch.Tensor:
     """lk_hybrid's ``lambda [K]``: ``exp(-eta * mean acceptance)`` of each TTT step over the
     global batch, no gradient. Every rank calls ``reduce_sum`` once, rows or none."""
-    alpha = row_acceptance(x.detach(), weight.detach(), t_logits, t_lse, target_lse, target)
-    sums = torch.zeros(num_steps, device=alpha.device).index_add_(0, step_id, alpha)
+    alpha = row_acceptance(scored.x.detach(), weight.detach(), t_logits, t_lse, target_lse, scored.target)
+    sums = torch.zeros(num_steps, device=alpha.device).index_add_(0, scored.step_id, alpha)
     if reduce_sum is not None:
         sums = reduce_sum(sums)
-    return torch.exp(-eta * sums / denominator.clamp(min=1))
+    return torch.exp(-eta * sums / scored.denominator.clamp(min=1))
