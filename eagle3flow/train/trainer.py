@@ -131,6 +131,12 @@ class Trainer:
         self.unreachable_head = None
         if self.objective.needs_target_mass:
             self.unreachable_head = load_unreachable_head(target_path, t2d).to(device, self.teacher_head.dtype)
+        if not self.objective.is_forward_kl:
+            outside = "" if self.unreachable_head is None else \
+                f", the target's {self.unreachable_head.shape[0]} tokens outside the draft vocab held for its normaliser"
+            log(f"train: loss {dict(self.objective.weights)} at temperature {self.objective.temperature}"
+                + (f", lk_hybrid_eta {self.objective.hybrid_eta}" if self.objective.needs_step_acceptance else "")
+                + outside)
         named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
