@@ -1,0 +1,105 @@
+"""The DFlash draft: its forward against a one-block-at-a-time reference of vLLM's serving
+loop, its loss (anchors, position weights, targets), its config and export, and vLLM (CPU)
+serving an exported, briefly trained draft losslessly with the replay's acceptance."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3flow.model.dflash import DFlashDraft
+from eagle3flow.model.dflash_config import DFlashConfig, default_target_layer_ids
+from eagle3flow.model.draft import PackedLayout, apply_rope
+
+
+def tiny_config(**overrides) -> DFlashConfig:
+    values = dict(hidden_size=64, target_hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=512, vocab_size=100,
+                  target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=99, torch_dtype="float32")
+    return DFlashConfig(**{**values, **overrides})
+
+
+def random_draft(cfg: DFlashConfig, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    model = DFlashDraft(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))     # norms away from 1: every weight matters
+    return model.eval()
+
+
+def serve_one_block(model: DFlashDraft, aux: torch.Tensor, ids: torch.Tensor, anchor: int) -> torch.Tensor:
+    """One block as vLLM drafts it, written independently of the packed forward: the
+    context K/V of rows ``0..anchor-1`` (hidden_norm(fc(aux)) through each layer's k/v
+    projections, no input norm), the block ``[x[anchor], M...]`` attending to that
+    context and to itself without a causal mask. Returns ``norm(h)`` ``[B, H]``."""
+    cfg = model.config
+    ctx = model.hidden_norm(model.fc(aux[:anchor]))
+    tokens = torch.tensor([int(ids[anchor])] + [cfg.mask_token_id] * (cfg.block_size - 1))
+    h = model.embed_tokens(tokens)
+    pos_ctx, pos_blk = torch.arange(anchor), anchor + torch.arange(cfg.block_size)
+    for layer in model.layers:
+        attn = layer.self_attn
+
+        def heads(x, n):
+            return x.view(x.shape[0], n, cfg.head_dim)
+
+        cos_c, sin_c = model.rope(pos_ctx, torch.float32)
+        cos_b, sin_b = model.rope(pos_blk, torch.float32)
+        x = layer.input_layernorm(h)
+        q = apply_rope(attn.q_norm(heads(attn.q_proj(x), cfg.num_attention_heads)), cos_b, sin_b)
+        k = torch.cat([apply_rope(attn.k_norm(heads(attn.k_proj(ctx), cfg.num_key_value_heads)), cos_c, sin_c),
+                       apply_rope(attn.k_norm(heads(attn.k_proj(x), cfg.num_key_value_heads)), cos_b, sin_b)])
+        v = torch.cat([heads(attn.v_proj(ctx), cfg.num_key_value_heads), heads(attn.v_proj(x), cfg.num_key_value_heads)])
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             enable_gqa=True).transpose(0, 1)
+        h = h + attn.o_proj(out.reshape(cfg.block_size, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.norm(h)
+
+
+def test_packed_blocks_equal_served_blocks():
+    """Every anchor of two packed samples gets the block vLLM's loop would compute for it:
+    only its own sample's rows before it as context."""
+    cfg = tiny_config()
+    model = random_draft(cfg)
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 13]
+    aux = torch.randn(sum(lengths), cfg.num_aux * 64, generator=g)
+    ids = torch.randint(0, 99, (sum(lengths),), generator=g)
+    cu = torch.tensor([0, 9, 22])
+    anchors = torch.tensor([1, 4, 8, 10, 15, 21])
+    with torch.no_grad():
+        packed = model.block_hidden(aux, ids, cu, anchors, anchor_chunk=4)
+        for m, g_row in enumerate(anchors.tolist()):
+            start = 0 if g_row < 9 else 9
+            ref = serve_one_block(model, aux[start:], ids[start:], g_row - start)
+            torch.testing.assert_close(packed[m], ref, rtol=1e-5, atol=1e-5)
+        # predict_blocks: one sample, every anchor, the masked slots' argmax
+        blocks = model.predict_blocks(aux[9:], ids[9:])
+        ref = model.lm_head(serve_one_block(model, aux[9:], ids[9:], 5)[1:]).argmax(-1)
+        assert blocks.shape == (13, 3) and torch.equal(blocks[5], ref)
+
+
+def test_default_target_layers_and_config_roundtrip():
+    # The paper's Qwen3-8B draft (36 target layers, 5 draft layers) reads the outputs of
+    # layers 1, 9, 17, 25, 33: this project's ids are one more.
+    assert default_target_layer_ids(36, 5) == [2, 10, 18, 26, 34]
+    assert default_target_layer_ids(8, 1) == [5]
+    target = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
+              "num_hidden_layers": 8, "vocab_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+              "rope_theta": 10000.0, "torch_dtype": "float32"}
+    cfg = DFlashConfig.from_target_config(target, block_size=8, mask_token_id=0, num_hidden_layers=3)
+    assert cfg.head_dim == 32 and cfg.target_layer_ids == [2, 4, 6] and cfg.num_speculative_tokens == 7
+    hf = cfg.to_hf_config()
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["block_size"] == 8
+    assert hf["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5]}
+    assert DFlashConfig.from_hf_config(hf) == cfg
+    with pytest.raises(ValueError, match="out of range"):
+        DFlashConfig.from_target_config(target, 8, 0, target_layer_ids=[2, 8])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        tiny_config(mask_token_id=100)
+
