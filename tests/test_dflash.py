@@ -103,3 +103,87 @@ def test_default_target_layers_and_config_roundtrip():
     with pytest.raises(ValueError, match="mask_token_id"):
         tiny_config(mask_token_id=100)
 
+
+
+def packed_batch(cfg: DFlashConfig, lengths: list[int], seed: int = 2) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    loss_mask = torch.ones(n, dtype=torch.uint8)
+    start = 0
+    for length in lengths:
+        loss_mask[start:start + 3] = 0                     # a 3-token prompt per sample
+        start += length
+    return {"aux": torch.randn(n, cfg.num_aux * 64, generator=g), "input_ids": torch.randint(0, 99, (n,), generator=g),
+            "cu_seqlens": torch.tensor([0] + lengths).cumsum(0), "loss_mask": loss_mask,
+            "last": torch.randn(n, 64, generator=g)}
+
+
+def test_anchors_are_assistant_tokens_with_context_and_a_next_token():
+    from eagle3flow.train.dflash_loss import sample_anchors
+
+    cfg = tiny_config()
+    batch = packed_batch(cfg, [10, 5, 12])
+    anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], 4, torch.Generator().manual_seed(0))
+    again = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], 4, torch.Generator().manual_seed(0))
+    assert torch.equal(anchors, again) and torch.equal(anchors, anchors.sort().values)
+    per_sample = [[a - s for a in anchors.tolist() if s <= a < e] for s, e in ((0, 10), (10, 15), (15, 27))]
+    # assistant rows 3..len-2 (the last row has nothing after it to predict)
+    assert [len(p) for p in per_sample] == [4, 1, 4]
+    assert all(3 <= p <= length - 2 for rows, length in zip(per_sample, (10, 5, 12)) for p in rows)
+    everything = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], 100, torch.Generator().manual_seed(0))
+    assert everything.tolist() == list(range(3, 9)) + [13] + list(range(18, 26))
+
+
+@pytest.mark.parametrize("target", ["hard", "soft"])
+def test_loss_is_the_position_weighted_block_cross_entropy(target):
+    from eagle3flow.train.dflash_loss import dflash_loss, position_weights
+
+    cfg = tiny_config(block_size=5)
+    model = random_draft(cfg)
+    batch = packed_batch(cfg, [10, 12])
+    batch["loss_mask"][7] = 0          # an unscored row inside a block
+    anchors = torch.tensor([3, 6, 8, 13, 20])
+    loss, stats = dflash_loss(model, batch, anchors, gamma=2.0, target=target)
+    assert torch.allclose(position_weights(5, 2.0), torch.exp(-torch.arange(4.0) / 2.0))
+    # by hand: each anchor's block, slot k predicting row anchor+k, weight exp(-(k-1)/2)
+    num = den = 0.0
+    with torch.no_grad():
+        for a in anchors.tolist():
+            end = 10 if a < 10 else 22
+            hidden = model.block_hidden(batch["aux"], batch["input_ids"], batch["cu_seqlens"], torch.tensor([a]))[0]
+            log_probs = torch.log_softmax(model.lm_head(hidden), -1)
+            for k in range(1, 5):
+                row = a + k
+                if row >= end or not batch["loss_mask"][row]:
+                    continue
+                if target == "hard":
+                    ce = -log_probs[k, batch["input_ids"][row]]
+                else:
+                    ce = -(torch.softmax(model.lm_head(batch["last"][row - 1]), -1) * log_probs[k]).sum()
+                w = torch.exp(torch.tensor(-(k - 1) / 2.0))
+                num, den = num + w * ce, den + w
+    torch.testing.assert_close(loss.detach(), num / den)
+    # per slot: anchors 8 and 20 reach past their samples after slot 1, row 7 (unscored) is
+    # slot 4 of anchor 3 and slot 1 of anchor 6, only anchor 13's block fits whole
+    assert stats["slot_rows"] == [4, 3, 3, 1] and stats["anchors"] == 5
+    loss.backward()
+    assert model.embed_tokens.weight.grad is None and model.lm_head.weight.grad is None
+    assert model.fc.weight.grad.abs().sum() > 0 and model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_training_is_reproducible_on_the_cpu():
+    from eagle3flow.train.dflash_train import train_dflash
+
+    cfg = tiny_config()
+    samples = []
+    for i in range(6):
+        b = packed_batch(cfg, [11], seed=10 + i)
+        samples.append({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"],
+                        "aux_hidden_states": b["aux"], "last_hidden_state": b["last"]})
+    runs = []
+    for _ in range(2):
+        model = random_draft(cfg)
+        history = train_dflash(model, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5)
+        runs.append((model.trainable_state_dict(), [h["loss"] for h in history]))
+    assert runs[0][1] == runs[1][1] and runs[0][1][-1] < runs[0][1][0]
+    assert all(torch.equal(runs[0][0][k], runs[1][0][k]) for k in runs[0][0])
