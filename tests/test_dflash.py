@@ -4,6 +4,12 @@ serving an exported, briefly trained draft losslessly with the replay's acceptan
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +18,16 @@ import torch.nn.functional as F
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig, default_target_layer_ids
 from eagle3flow.model.draft import PackedLayout, apply_rope
+
+
+@pytest.fixture
+def one_thread():
+    """Small matrices on a shared 2-core box: a second torch thread only waits on the
+    first (training runs 10x slower with two threads on a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_config(**overrides) -> DFlashConfig:
@@ -171,7 +187,7 @@ def test_loss_is_the_position_weighted_block_cross_entropy(target):
     assert model.fc.weight.grad.abs().sum() > 0 and model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
-def test_training_is_reproducible_on_the_cpu():
+def test_training_is_reproducible_on_the_cpu(one_thread):
     from eagle3flow.train.dflash_train import train_dflash
 
     cfg = tiny_config()
@@ -187,3 +203,137 @@ def test_training_is_reproducible_on_the_cpu():
         runs.append((model.trainable_state_dict(), [h["loss"] for h in history]))
     assert runs[0][1] == runs[1][1] and runs[0][1][-1] < runs[0][1][0]
     assert all(torch.equal(runs[0][0][k], runs[1][0][k]) for k in runs[0][0])
+
+
+def test_export_has_the_names_and_config_vllm_reads(random_llama_target, tmp_path):
+    """config.json and model.safetensors as qwen3_dflash.py loads them; no embed_tokens or
+    lm_head (vLLM shares the target's); loading the export back gives the same blocks."""
+    from safetensors import safe_open
+
+    from eagle3flow.export.dflash import export_dflash, load_exported_dflash
+    from eagle3flow.target.config import load_target_config
+    from eagle3flow.train.dflash_train import build_dflash_draft, save_train_dir
+
+    cfg = DFlashConfig.from_target_config(load_target_config(random_llama_target), block_size=4,
+                                          mask_token_id=0, num_hidden_layers=2)
+    model = build_dflash_draft(random_llama_target, cfg, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    out = export_dflash(save_train_dir(model, tmp_path / "train"), random_llama_target, tmp_path / "draft")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["block_size"] == 4 and config["torch_dtype"] == "float32"
+    # the paper's layers for 2 draft layers of an 8-layer target: outputs of layers 1 and 5
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 5]}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == set(cfg.exported_param_names())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    loaded = load_exported_dflash(out, random_llama_target)
+    aux, ids = torch.randn(15, 128), torch.randint(0, 512, (15,))
+    torch.testing.assert_close(loaded.predict_blocks(aux, ids), model.eval().predict_blocks(aux, ids), rtol=0, atol=0)
+
+
+VLLM_SCRIPT = r"""
+import json, os, sys
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+req = json.loads(sys.argv[1])
+llm = LLM(model=req["target"], dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+          disable_log_stats=False, distributed_executor_backend="uni",
+          speculative_config={"method": "dflash", "model": req["draft"], "num_speculative_tokens": req["k"]})
+outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]],
+                    SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True), use_tqdm=False)
+metrics = {m.name: (list(m.values) if hasattr(m, "values") else m.value)
+           for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}))
+"""
+
+
+def add_word_tokenizer(target: Path, vocab_size: int) -> None:
+    """A word-level tokenizer (``t0``..``tN``) so vLLM loads the tokenizer-less random target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(target)
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(random_llama_target, tmp_path,
+                                                                            one_thread):
+    """A DFlash draft briefly trained on the tiny target's own hidden states, exported and
+    served by vLLM (CPU, method dflash): greedy outputs equal the target's alone, vLLM's
+    counters are consistent and equal the offline replay's, and the trained draft accepts
+    more than a random one."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3flow.eval.dflash_replay import replay_dflash
+    from eagle3flow.export.dflash import export_dflash, load_exported_dflash
+    from eagle3flow.target.config import load_target_config
+    from eagle3flow.train.dflash_train import build_dflash_draft, load_samples, save_train_dir, train_dflash
+    from support.builders import make_hidden_states
+
+    target = tmp_path / "target"
+    shutil.copytree(random_llama_target, target)
+    add_word_tokenizer(target, 512)
+    # K = 3; token 0 (pad) is the mask: the prompts and the random target's greedy tokens avoid it
+    cfg = DFlashConfig.from_target_config(load_target_config(target), block_size=4, mask_token_id=0)
+    manifest = make_hidden_states(target, tmp_path / "hs", 400, seed=0, aux_layer_ids=tuple(cfg.target_layer_ids))
+    model = build_dflash_draft(target, cfg, seed=0)
+    history = train_dflash(model, load_samples(manifest, cfg), steps=1000, lr=1e-2, seed=0)
+    draft = export_dflash(save_train_dir(model, tmp_path / "train"), target, tmp_path / "draft")
+
+    prompts = torch.randint(3, 512, (8, 4), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        greedy = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=32,
+                             min_new_tokens=32, do_sample=False, pad_token_id=0)[:, 4:].tolist()
+    request = {"target": str(target), "draft": str(draft), "k": cfg.num_speculative_tokens,
+               "prompts": prompts.tolist(), "max_tokens": 32}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(request)], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    served = json.loads(lines[-1][len("RESULT "):])
+    print(f"vLLM with the DFlash draft: {time.monotonic() - started:.1f} s")
+    assert served["outputs"] == greedy          # lossless: the target's own greedy tokens
+
+    m = served["metrics"]
+    k = cfg.num_speculative_tokens
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert m["vllm:spec_decode_num_draft_tokens"] == k * m["vllm:spec_decode_num_drafts"]
+    assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+
+    def replay(draft_model) -> dict:
+        totals = {"rounds": 0, "accepted": 0, "accepted_per_pos": [0] * k}
+        for prompt, output in zip(prompts.tolist(), served["outputs"]):
+            ids = torch.tensor(prompt + output)
+            with torch.no_grad():
+                states = hf(ids[None], output_hidden_states=True).hidden_states
+            aux = torch.cat([states[layer][0] for layer in cfg.target_layer_ids], -1)
+            one = replay_dflash(draft_model, aux, ids, len(prompt))
+            totals["rounds"] += one["rounds"]
+            totals["accepted"] += one["accepted"]
+            totals["accepted_per_pos"] = [a + b for a, b in zip(totals["accepted_per_pos"], one["accepted_per_pos"])]
+        return totals
+
+    trained = replay(load_exported_dflash(draft, target))
+    random_model = build_dflash_draft(target, cfg, seed=1)
+    untrained = replay(random_model)
+    print(f"DFlash K={k}: vLLM {m}; replay trained {trained}, random {untrained}; "
+          f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}")
+    assert m["vllm:spec_decode_num_drafts"] == trained["rounds"]
+    assert m["vllm:spec_decode_num_accepted_tokens"] == trained["accepted"]
+    assert per_pos == trained["accepted_per_pos"]
+    length = 1 + trained["accepted"] / trained["rounds"]
+    random_length = 1 + untrained["accepted"] / untrained["rounds"]
+    assert length > random_length + 0.15, (length, random_length)
