@@ -126,8 +126,8 @@ class DFlashDraft(nn.Module):
         ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``, ``anchors [M]`` packed
         rows. Block ``m`` holds ``[x[anchors[m]], M, ..., M]`` at positions
         ``pos(anchor)..pos(anchor)+B-1``; slot ``k`` predicts row ``anchors[m]+k``.
-        Anchors are processed ``anchor_chunk`` at a time (the dense context scores are
-        ``[chunk, heads, B, N]``).
+        Anchors are processed ``anchor_chunk`` at a time; the dense context scores are
+        ``[chunk, heads, B, rows the chunk spans]``, short when anchors ascend.
         """
         layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
         cfg = self.config
@@ -144,16 +144,19 @@ class DFlashDraft(nn.Module):
     def _blocks(self, input_ids, layout: PackedLayout, anchors, ctx_kv, dtype) -> torch.Tensor:
         cfg = self.config
         bsz = cfg.block_size
-        n = input_ids.shape[0]
         m = anchors.numel()
         tokens = torch.full((m, bsz), cfg.mask_token_id, dtype=torch.long, device=input_ids.device)
         tokens[:, 0] = input_ids[anchors]
         positions = layout.positions[anchors].unsqueeze(1) + torch.arange(bsz, device=anchors.device)
         cos, sin = self.rope(positions, dtype)                               # [M, B, 1, d]
-        # context rows the block sees: its own sample's rows before the anchor
-        rows = torch.arange(n, device=anchors.device)
+        # context rows the block sees: its own sample's rows before the anchor. The chunk
+        # needs only the rows from its earliest anchor's sample start to its last anchor
+        # (a sample or a few when anchors ascend), not all N.
         start = layout.cu_seqlens[layout.batch_index[anchors]]
-        visible = (rows >= start.unsqueeze(1)) & (rows < anchors.unsqueeze(1))   # [M, N]
+        lo, hi = int(start.min()), int(anchors.max())
+        rows = torch.arange(lo, hi, device=anchors.device)
+        visible = (rows >= start.unsqueeze(1)) & (rows < anchors.unsqueeze(1))   # [M, span]
+        ctx_kv = [(k[lo:hi], v[lo:hi]) for k, v in ctx_kv]
         hidden = self.embed_tokens(tokens).to(dtype)                          # [M, B, H]
         for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
             attn = layer.self_attn
