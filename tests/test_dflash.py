@@ -121,6 +121,22 @@ def test_default_target_layers_and_config_roundtrip():
 
 
 
+def test_replay_counts_a_last_rounds_drafts_past_the_end_as_vllm_does():
+    from eagle3flow.eval.replay import replay_greedy_speculation
+
+    # prompt of 2, output of 4 (ids 2..5), the target's continuation 6, 7 known beyond it
+    ids = list(range(8))
+    chains = [[t + 2, t + 3] for t in range(8)]          # K = 2, right everywhere but
+    chains[1] = [3, 99]                                   # the first round's second guess
+    capped = replay_greedy_speculation(chains[:6], ids[:6], 2)
+    exact = replay_greedy_speculation(chains, ids, 2, end=6)
+    # round 2 starts with one token (5) left to generate and drafts 5, 6: vLLM counts both
+    assert capped["per_round"] == [1, 1] and exact["per_round"] == [1, 2]
+    assert exact["accepted_per_pos"] == [2, 1]
+    with pytest.raises(ValueError, match="end"):
+        replay_greedy_speculation(chains, ids, 2, end=9)
+
+
 def packed_batch(cfg: DFlashConfig, lengths: list[int], seed: int = 2) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
@@ -241,8 +257,16 @@ VLLM_SCRIPT = r"""
 import json, os, sys
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
 from vllm import LLM, SamplingParams
+from vllm import _custom_ops as ops
 req = json.loads(sys.argv[1])
+# qwen3_dflash.py norms every layer's context keys in one rms_norm call with the layers'
+# k_norm weights stacked [L, head_dim]; report whether this build's kernel honours the rows
+x, w = torch.randn(2, 3, 1, 8), torch.stack([torch.ones(8), 2 * torch.ones(8)])
+out = torch.empty_like(x)
+ops.rms_norm(out, x, w, 1e-6)
+grouped_ok = bool(torch.allclose(out[1], 2 * x[1] * torch.rsqrt(x[1].pow(2).mean(-1, keepdim=True) + 1e-6)))
 llm = LLM(model=req["target"], dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
           disable_log_stats=False, distributed_executor_backend="uni",
           speculative_config={"method": "dflash", "model": req["draft"], "num_speculative_tokens": req["k"]})
@@ -250,7 +274,8 @@ outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]],
                     SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True), use_tqdm=False)
 metrics = {m.name: (list(m.values) if hasattr(m, "values") else m.value)
            for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
-print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}))
+print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics,
+                              "grouped_rms_norm_ok": grouped_ok}))
 """
 
 
@@ -268,10 +293,10 @@ def add_word_tokenizer(target: Path, vocab_size: int) -> None:
 @pytest.mark.slow
 def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(random_llama_target, tmp_path,
                                                                             one_thread):
-    """A DFlash draft briefly trained on the tiny target's own hidden states, exported and
-    served by vLLM (CPU, method dflash): greedy outputs equal the target's alone, vLLM's
-    counters are consistent and equal the offline replay's, and the trained draft accepts
-    more than a random one."""
+    """A two-layer DFlash draft (two target layers) briefly trained on the tiny target's
+    own hidden states, exported and served by vLLM (CPU, method dflash): greedy outputs
+    equal the target's alone, vLLM's counters are consistent and equal the offline
+    replay's exactly, and the trained draft accepts more than a random one."""
     from transformers import AutoModelForCausalLM
 
     from eagle3flow.eval.dflash_replay import replay_dflash
@@ -283,31 +308,42 @@ def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(ra
     target = tmp_path / "target"
     shutil.copytree(random_llama_target, target)
     add_word_tokenizer(target, 512)
-    # K = 3; token 0 (pad) is the mask: the prompts and the random target's greedy tokens avoid it
-    cfg = DFlashConfig.from_target_config(load_target_config(target), block_size=4, mask_token_id=0)
+    # The mask is the last vocab row: row 0 is the pad row, zero in HF's init, and a zero
+    # mask embedding gives every masked slot a zero first-layer query (all slots alike).
+    cfg = DFlashConfig.from_target_config(load_target_config(target), block_size=4, mask_token_id=511,
+                                          num_hidden_layers=2)
+    assert cfg.target_layer_ids == [2, 6]
     manifest = make_hidden_states(target, tmp_path / "hs", 400, seed=0, aux_layer_ids=tuple(cfg.target_layer_ids))
     model = build_dflash_draft(target, cfg, seed=0)
     history = train_dflash(model, load_samples(manifest, cfg), steps=1000, lr=1e-2, seed=0)
+    # vLLM 0.32's CPU rms_norm reads a stacked [L, head_dim] weight as its row 0, so on the
+    # CPU every layer's context keys get layer 0's k_norm (the XPU kernel had the same
+    # defect, vllm PR 56431). Tied k_norm weights make the served draft the replayed one.
+    with torch.no_grad():
+        for layer in model.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(model.layers[0].self_attn.k_norm.weight)
     draft = export_dflash(save_train_dir(model, tmp_path / "train"), target, tmp_path / "draft")
 
+    k, max_tokens = cfg.num_speculative_tokens, 32
     prompts = torch.randint(3, 512, (8, 4), generator=torch.Generator().manual_seed(3))
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
-        greedy = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=32,
-                             min_new_tokens=32, do_sample=False, pad_token_id=0)[:, 4:].tolist()
-    request = {"target": str(target), "draft": str(draft), "k": cfg.num_speculative_tokens,
-               "prompts": prompts.tolist(), "max_tokens": 32}
+        # K tokens past max_tokens: vLLM counts a last round's drafts before it cuts the output
+        greedy = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_tokens + k,
+                             min_new_tokens=max_tokens + k, do_sample=False, pad_token_id=0)
+    request = {"target": str(target), "draft": str(draft), "k": k, "prompts": prompts.tolist(),
+               "max_tokens": max_tokens}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(request)], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     served = json.loads(lines[-1][len("RESULT "):])
-    print(f"vLLM with the DFlash draft: {time.monotonic() - started:.1f} s")
-    assert served["outputs"] == greedy          # lossless: the target's own greedy tokens
+    print(f"vLLM with the DFlash draft: {time.monotonic() - started:.1f} s; grouped rms_norm honours "
+          f"per-layer weights: {served['grouped_rms_norm_ok']}")
+    assert served["outputs"] == greedy[:, 4:4 + max_tokens].tolist()    # lossless
 
     m = served["metrics"]
-    k = cfg.num_speculative_tokens
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert m["vllm:spec_decode_num_draft_tokens"] == k * m["vllm:spec_decode_num_drafts"]
     assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
@@ -315,20 +351,18 @@ def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(ra
 
     def replay(draft_model) -> dict:
         totals = {"rounds": 0, "accepted": 0, "accepted_per_pos": [0] * k}
-        for prompt, output in zip(prompts.tolist(), served["outputs"]):
-            ids = torch.tensor(prompt + output)
+        for ids in greedy:
             with torch.no_grad():
                 states = hf(ids[None], output_hidden_states=True).hidden_states
             aux = torch.cat([states[layer][0] for layer in cfg.target_layer_ids], -1)
-            one = replay_dflash(draft_model, aux, ids, len(prompt))
+            one = replay_dflash(draft_model, aux, ids, 4, end=4 + max_tokens)
             totals["rounds"] += one["rounds"]
             totals["accepted"] += one["accepted"]
             totals["accepted_per_pos"] = [a + b for a, b in zip(totals["accepted_per_pos"], one["accepted_per_pos"])]
         return totals
 
     trained = replay(load_exported_dflash(draft, target))
-    random_model = build_dflash_draft(target, cfg, seed=1)
-    untrained = replay(random_model)
+    untrained = replay(build_dflash_draft(target, cfg, seed=1))
     print(f"DFlash K={k}: vLLM {m}; replay trained {trained}, random {untrained}; "
           f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}")
     assert m["vllm:spec_decode_num_drafts"] == trained["rounds"]

@@ -26,9 +26,12 @@ def dflash_chains(model: DFlashDraft, aux: torch.Tensor, token_ids: torch.Tensor
     return torch.cat([blocks[1:], torch.zeros_like(blocks[:1])])
 
 
-def replay_dflash(model: DFlashDraft, aux: torch.Tensor, token_ids, prompt_len: int) -> dict:
+def replay_dflash(model: DFlashDraft, aux: torch.Tensor, token_ids, prompt_len: int,
+                  end: int | None = None) -> dict:
     """The replay (rounds, accepted, accepted_per_pos, per_round) of one generation: ``aux
     [T, A*Ht]`` the target's states of ``token_ids`` (prompt + greedy output) at the
-    draft's target layers."""
+    draft's target layers. ``end``: where the generation stopped, when ``token_ids`` go
+    on with the target's greedy continuation (K more tokens make the count exact at the
+    end, see :func:`replay_greedy_speculation`)."""
     ids = torch.as_tensor(token_ids).long()
-    return replay_greedy_speculation(dflash_chains(model, aux, ids), ids.tolist(), prompt_len)
+    return replay_greedy_speculation(dflash_chains(model, aux, ids), ids.tolist(), prompt_len, end)
