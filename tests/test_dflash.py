@@ -371,3 +371,31 @@ def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(ra
     length = 1 + trained["accepted"] / trained["rounds"]
     random_length = 1 + untrained["accepted"] / untrained["rounds"]
     assert length > random_length + 0.15, (length, random_length)
+
+
+def test_command_lines_train_and_export_with_the_spare_embedding_row_as_mask(tmp_path, one_thread):
+    from safetensors import safe_open
+
+    from eagle3flow.export import dflash as export_cli
+    from eagle3flow.target.tokenizer import load_tokenizer
+    from eagle3flow.train import dflash_train
+    from support.builders import make_hidden_states
+    from support.targets import make_chat_target
+
+    target = make_chat_target(tmp_path / "target", family="qwen3")       # a tokenizer of ~400 < 512 rows
+    spare = len(load_tokenizer(target))
+    assert spare < 512 and dflash_train.default_mask_token_id(target) == spare
+    manifest = make_hidden_states(target, tmp_path / "hs", 8, seed=0, aux_layer_ids=(2, 6))
+    dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "train"),
+                       "--config-json", json.dumps({"block_size": 3, "num_hidden_layers": 2, "steps": 3})])
+    export_cli.main(["--train-dir", str(tmp_path / "train"), "--target", str(target), "--out-dir", str(tmp_path / "draft")])
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["dflash_config"] == {"mask_token_id": spare, "target_layer_ids": [1, 5]} and config["block_size"] == 3
+    with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as f:
+        assert "layers.1.mlp.down_proj.weight" in set(f.keys())
+    with pytest.raises(SystemExit):
+        dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "x"),
+                           "--config-json", json.dumps({"blocksize": 3})])
+    with pytest.raises(ValueError, match="hidden states of layers"):
+        dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "x"),
+                           "--config-json", json.dumps({"num_hidden_layers": 1})])

@@ -10,6 +10,7 @@ no ``lm_head``: vLLM then shares the target's, which the draft was trained on.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -56,3 +57,17 @@ def load_exported_dflash(draft_dir: str | Path, target_path: str | Path,
     if missing or unexpected:
         raise ValueError(f"{draft_dir}/model.safetensors: missing {missing}, unexpected {unexpected}")
     return model.to(dtype).eval()
+
+
+def main(argv=None) -> None:
+    """CLI: ``python -m eagle3flow.export.dflash --train-dir DIR --target DIR --out-dir DIR``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + dflash_config.json")
+    parser.add_argument("--target", required=True, help="target model dir (its dtype decides the export dtype)")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args(argv)
+    export_dflash(args.train_dir, args.target, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

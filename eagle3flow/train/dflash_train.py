@@ -8,7 +8,9 @@ paths, takes DFlash later): it is what the tests and first measurements train wi
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from eagle3flow.atomic import replacing, write_json
 from eagle3flow.extract import shards
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig, default_loss_gamma
+from eagle3flow.target.config import load_target_config
 from eagle3flow.target.weights import load_target_head
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
 
@@ -85,7 +88,7 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         schedule.step()
         history.append({"step": step, "loss": float(loss.detach()), **stats})
         if log_every and step % log_every == 0:
-            print(f"dflash step {step}: loss {float(loss):.4f} slot accuracy "
+            print(f"dflash step {step}: loss {history[-1]['loss']:.4f} slot accuracy "
                   f"{[round(a, 3) for a in stats['slot_accuracy']]}", flush=True)
     model.eval()
     return history
@@ -111,3 +114,58 @@ def load_train_dir(train_dir: str | Path, target_path: str | Path) -> DFlashDraf
     if missing or unexpected:
         raise ValueError(f"{train_dir}/draft.safetensors: missing {missing}, unexpected {unexpected}")
     return model.eval()
+
+
+def default_mask_token_id(target_path: str | Path, trust_remote_code: bool = False) -> int:
+    """The embedding row the masked slots read when none is configured: the first row past
+    the tokenizer's vocabulary (a padded embedding's spare row, what the published Qwen3
+    DFlash drafts use), else the tokenizer's pad token when it is not its end of sequence."""
+    from eagle3flow.target.tokenizer import load_tokenizer
+
+    vocab_size = int(load_target_config(target_path)["vocab_size"])
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return int(tokenizer.pad_token_id)
+    raise ValueError(f"{target_path}: no spare embedding row and no pad token distinct from EOS for the "
+                     "DFlash mask; set mask_token_id to a token the data never holds")
+
+
+SETTINGS = {"block_size": 16, "mask_token_id": None, "num_hidden_layers": 1, "target_layer_ids": None,
+            "steps": 1000, "lr": 3e-3, "samples_per_step": 8, "anchors_per_sample": 16, "gamma": None,
+            "target": "hard", "seed": 0, "draft": {}}
+
+
+def main(argv=None) -> None:
+    """CLI: ``python -m eagle3flow.train.dflash_train --manifest M --target DIR --out-dir DIR
+    [--config-json '{"block_size": 8, ...}']`` (keys: :data:`SETTINGS`; ``draft``: config
+    overrides). Trains on the CPU in float32 and writes the train dir."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--manifest", required=True, help="hidden states of the draft's target layers")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--config-json", default="{}")
+    args = parser.parse_args(argv)
+    given = json.loads(args.config_json)
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        parser.error(f"unknown DFlash settings {unknown} (known: {sorted(SETTINGS)})")
+    settings = {**SETTINGS, **given}
+    mask = settings["mask_token_id"]
+    cfg = DFlashConfig.from_target_config(
+        load_target_config(args.target), settings["block_size"],
+        default_mask_token_id(args.target) if mask is None else mask, settings["num_hidden_layers"],
+        settings["target_layer_ids"], settings["draft"])
+    model = build_dflash_draft(args.target, cfg, settings["seed"])
+    if not model.embed_tokens.weight[cfg.mask_token_id].any():
+        print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
+              "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
+    train_dflash(model, load_samples(args.manifest, cfg), settings["steps"], settings["lr"],
+                 settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
+                 settings["target"], settings["seed"], log_every=max(settings["steps"] // 20, 1))
+    save_train_dir(model, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
