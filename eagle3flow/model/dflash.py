@@ -175,9 +175,10 @@ class DFlashDraft(nn.Module):
     @torch.no_grad()
     def predict_blocks(self, aux: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Greedy blocks of one sample as served: ``[T, K]`` target ids; row ``a`` (``a >= 1``)
-        is the block vLLM drafts once ``x[0..a]`` is verified (``x[a]`` the bonus token):
-        guesses for indices ``a+1..a+K``. Row 0 has no context and is left 0. One block
-        pass drafts all K tokens: nothing depends on the draft's own earlier guesses."""
+        is the block vLLM drafts once the target has produced ``x[a]`` (the bonus token; the
+        target's states of ``x[0..a-1]`` are the context): guesses for indices ``a+1..a+K``.
+        Row 0 has no context and is left 0. One block pass drafts all K tokens: nothing
+        depends on the draft's own earlier guesses."""
         device = self.fc.weight.device
         aux, input_ids = aux.to(device), input_ids.to(device).long()
         t = input_ids.numel()
