@@ -77,7 +77,7 @@ def serve_one_block(model: DFlashDraft, aux: torch.Tensor, ids: torch.Tensor, an
     return model.norm(h)
 
 
-def test_packed_blocks_equal_served_blocks():
+def test_packed_blocks_equal_served_blocks(one_thread):
     """Every anchor of two packed samples gets the block vLLM's loop would compute for it:
     only its own sample's rows before it as context."""
     cfg = tiny_config()
@@ -167,7 +167,7 @@ def test_anchors_are_assistant_tokens_with_context_and_a_next_token():
 
 
 @pytest.mark.parametrize("target", ["hard", "soft"])
-def test_loss_is_the_position_weighted_block_cross_entropy(target):
+def test_loss_is_the_position_weighted_block_cross_entropy(target, one_thread):
     from eagle3flow.train.dflash_loss import dflash_loss, position_weights
 
     cfg = tiny_config(block_size=5)
@@ -221,7 +221,7 @@ def test_training_is_reproducible_on_the_cpu(one_thread):
     assert all(torch.equal(runs[0][0][k], runs[1][0][k]) for k in runs[0][0])
 
 
-def test_export_has_the_names_and_config_vllm_reads(random_llama_target, tmp_path):
+def test_export_has_the_names_and_config_vllm_reads(random_llama_target, tmp_path, one_thread):
     """config.json and model.safetensors as qwen3_dflash.py loads them; no embed_tokens or
     lm_head (vLLM shares the target's); loading the export back gives the same blocks."""
     from safetensors import safe_open
