@@ -35,7 +35,28 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from eagle3flow.train.objective import loss_mix
+# train.loss's losses (eagle3flow/train/objective.py says what each is). Checked here, with the
+# config, so that a mix the schema cannot judge is refused when the workflow is read.
+LOSSES = ("forward_kl", "tv", "nla", "lk_hybrid")
+
+
+def loss_mix(value) -> dict[str, float]:
+    """``train.loss`` as ``{name: weight}`` (weights > 0, in LOSSES order); ValueError naming the key."""
+    if isinstance(value, str):
+        value = {value: 1.0}
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"train.loss: {value!r} is neither one of {list(LOSSES)} nor a mapping of them to weights")
+    unknown = sorted(set(value) - set(LOSSES))
+    if unknown:
+        raise ValueError(f"train.loss: unknown losses {unknown} (known: {list(LOSSES)})")
+    for name, weight in value.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise ValueError(f"train.loss.{name}: the weight must be a number >= 0, got {weight!r}")
+    mix = {name: float(value[name]) for name in LOSSES if value.get(name, 0) > 0}
+    if not mix:
+        raise ValueError(f"train.loss: every weight is 0 ({dict(value)}): give at least one loss a weight > 0")
+    return mix
+
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 

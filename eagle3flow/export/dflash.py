@@ -21,6 +21,7 @@ from eagle3flow.atomic import replacing, write_json
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig
 from eagle3flow.target.weights import target_dtype
+from eagle3flow.train.dflash_train import build_dflash_draft
 
 
 def export_dflash(train_dir: str | Path, target_path: str | Path, out_dir: str | Path) -> Path:
@@ -46,8 +47,6 @@ def load_exported_dflash(draft_dir: str | Path, target_path: str | Path,
                          dtype: torch.dtype = torch.float32) -> DFlashDraft:
     """An exported draft dir back as a :class:`DFlashDraft`, its embeddings and lm_head
     from the target (as vLLM shares them)."""
-    from eagle3flow.train.dflash_train import build_dflash_draft
-
     draft_dir = Path(draft_dir)
     cfg = DFlashConfig.from_hf_config(json.loads((draft_dir / "config.json").read_text()))
     model = build_dflash_draft(target_path, cfg, seed=0)

@@ -28,6 +28,17 @@ def load_vocab_map(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t, t2d
 
 
+
+def checked_target_head(target_path, vocab_size: int, hidden_size: int) -> dict:
+    """The target's ``embed_tokens`` and ``lm_head`` as stored, refused unless they hold
+    ``vocab_size`` rows of ``hidden_size``."""
+    head = load_target_head(target_path)
+    for part in ("embed_tokens", "lm_head"):
+        if head[part].shape[0] < vocab_size or head[part].shape[1] != hidden_size:
+            raise ValueError(f"{target_path}: {part} has shape {list(head[part].shape)}, the config says "
+                             f"[{vocab_size}, {hidden_size}] (vocab_size, hidden_size)")
+    return head
+
 def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Tensor,
                 t2d: torch.Tensor, overrides: dict, seed: int) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh draft initialised from the target, and the teacher head ``[Vd, H]``.
@@ -41,11 +52,7 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
         raise ValueError(f"vocab map t2d has {t2d.numel()} entries but the target {target_path} "
                          f"has vocab_size {cfg.vocab_size}")
     # As stored (bf16 for large targets): a [163840, 7168] matrix is 2.3 GB, 4.7 in fp32.
-    head = load_target_head(target_path)
-    for part in ("embed_tokens", "lm_head"):
-        if head[part].shape[0] < cfg.vocab_size or head[part].shape[1] != cfg.target_hidden_size:
-            raise ValueError(f"{target_path}: {part} has shape {list(head[part].shape)}, the config says "
-                             f"[{cfg.vocab_size}, {cfg.target_hidden_size}] (vocab_size, hidden_size)")
+    head = checked_target_head(target_path, cfg.vocab_size, cfg.target_hidden_size)
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     teacher_head = head["lm_head"][:cfg.vocab_size][t2d].float().contiguous()

@@ -21,18 +21,15 @@ from eagle3flow.extract import shards
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig, default_loss_gamma
 from eagle3flow.target.config import load_target_config
-from eagle3flow.target.weights import load_target_head
+from eagle3flow.target.tokenizer import load_tokenizer
+from eagle3flow.train.build import checked_target_head
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
 
 
 def build_dflash_draft(target_path: str | Path, cfg: DFlashConfig, seed: int) -> DFlashDraft:
     """A fresh draft: the target's embeddings, final norm (the draft's ``norm`` starts as
     it) and lm_head (frozen), the rest random (seeded)."""
-    head = load_target_head(target_path)
-    for part in ("embed_tokens", "lm_head"):
-        if head[part].shape[0] < cfg.vocab_size or head[part].shape[1] != cfg.target_hidden_size:
-            raise ValueError(f"{target_path}: {part} has shape {list(head[part].shape)}, the config says "
-                             f"[{cfg.vocab_size}, {cfg.target_hidden_size}]")
+    head = checked_target_head(target_path, cfg.vocab_size, cfg.target_hidden_size)
     torch.manual_seed(seed)
     model = DFlashDraft(cfg)
     with torch.no_grad():
@@ -120,8 +117,6 @@ def default_mask_token_id(target_path: str | Path, trust_remote_code: bool = Fal
     """The embedding row the masked slots read when none is configured: the first row past
     the tokenizer's vocabulary (a padded embedding's spare row, what the published Qwen3
     DFlash drafts use), else the tokenizer's pad token when it is not its end of sequence."""
-    from eagle3flow.target.tokenizer import load_tokenizer
-
     vocab_size = int(load_target_config(target_path)["vocab_size"])
     tokenizer = load_tokenizer(target_path, trust_remote_code)
     if len(tokenizer) < vocab_size:

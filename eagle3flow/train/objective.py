@@ -17,36 +17,20 @@ The losses (per scored row, draft ``p`` over the draft vocabulary, at the temper
   backward (arXiv 2602.23881, the LK losses): KL while the draft is poor, acceptance once
   it is good.
 
-A mix is their weighted sum. Pure Python: the workflow checks a config with it before any job.
+A mix is their weighted sum. The names and weights are checked by eagle3flow.config.loss_mix,
+when the workflow is read.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-LOSSES = ("forward_kl", "tv", "nla", "lk_hybrid")
+from eagle3flow.config import LOSSES, loss_mix
+
 # The losses that need the target's probability of each draft token, so its full-vocabulary
 # normaliser (the lm_head rows outside the draft vocabulary).
 ACCEPTANCE_LOSSES = ("tv", "nla", "lk_hybrid")
 DEFAULT_MIX = {"forward_kl": 1.0}
-
-
-def loss_mix(value) -> dict[str, float]:
-    """``train.loss`` as ``{name: weight}`` (weights > 0, in LOSSES order); ValueError naming the key."""
-    if isinstance(value, str):
-        value = {value: 1.0}
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(f"train.loss: {value!r} is neither one of {list(LOSSES)} nor a mapping of them to weights")
-    unknown = sorted(set(value) - set(LOSSES))
-    if unknown:
-        raise ValueError(f"train.loss: unknown losses {unknown} (known: {list(LOSSES)})")
-    for name, weight in value.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-            raise ValueError(f"train.loss.{name}: the weight must be a number >= 0, got {weight!r}")
-    mix = {name: float(value[name]) for name in LOSSES if value.get(name, 0) > 0}
-    if not mix:
-        raise ValueError(f"train.loss: every weight is 0 ({dict(value)}): give at least one loss a weight > 0")
-    return mix
 
 
 @dataclass(frozen=True)
