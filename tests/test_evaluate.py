@@ -465,3 +465,65 @@ def test_unset_tensor_parallelism_takes_the_gpus_the_job_sees(monkeypatch):
     assert job_gpus(torch.device("cpu"), "/opt/vllm-cuda/bin/python") == 8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert job_gpus(torch.device("cuda"), None) == 8
+
+
+# ----------------------------------------------------------------------------- at temperature
+
+def test_acceptance_length_ci_is_a_bootstrap_over_prompts():
+    from eagle3flow.eval.confidence import CI_METHOD, acceptance_length_ci, within
+
+    # Every prompt accepts 1 of 2 drafts: no spread, the interval is the point.
+    flat = acceptance_length_ci([(1, 2)] * 10)
+    assert flat["acceptance_length"] == 1.5 and flat["ci_low"] == flat["ci_high"] == 1.5
+    assert "bootstrap over prompts" in flat["method"] == CI_METHOD or "bootstrap" in CI_METHOD
+    # Half the prompts accept everything, half nothing: the ratio of sums is 1.5, and
+    # the 95% interval is about 1.5 +- 1.96 * sqrt(0.25 / 40) = 1.5 +- 0.155.
+    mixed = acceptance_length_ci([(4, 4), (0, 4)] * 20)
+    assert mixed["acceptance_length"] == 1.5 and mixed["num_prompts"] == 40
+    assert mixed["ci_low"] == pytest.approx(1.345, abs=0.04)
+    assert mixed["ci_high"] == pytest.approx(1.655, abs=0.04)
+    assert within(1.5, mixed) and not within(1.8, mixed) and within(None, mixed) is None
+    # A prompt without a round carries nothing; one informative prompt gives no interval.
+    one = acceptance_length_ci([(2, 4), (0, 0)])
+    assert one["acceptance_length"] == 1.5 and one["ci_low"] is None and one["num_prompts"] == 1
+    with pytest.raises(ValueError, match="confidence"):
+        acceptance_length_ci([(1, 2)], confidence=1.0)
+
+
+def test_offline_estimate_closed_form_on_tiny_distributions():
+    """Per step, acceptance is sum_x min(p, q); a round of K accepts N with
+    P(N >= i) = prod alpha; the walk is the expectation over where rounds start."""
+    from eagle3flow.eval.rejection_estimate import (acceptance_length, expected_acceptance,
+                                                    step_acceptance, tempered)
+
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    assert step_acceptance(p, q).item() == pytest.approx(0.2 + 0.3 + 0.2)
+    assert tempered(torch.tensor([1.0, 3.0]), 0).tolist() == [0.0, 1.0]
+    assert tempered(torch.tensor([0.0, 2.0 * 0.5]), 0.5).tolist() == pytest.approx(
+        torch.softmax(torch.tensor([0.0, 2.0]), 0).tolist())
+
+    # A long answer, alpha = a at every step, K = 2: one round accepts
+    # E[N] = a + a^2; the next round starts N + 1 later.
+    a, total = 0.5, 4
+    walk = expected_acceptance([[a, a]] * total, prompt_len=1, total=total)
+    # Rows: a round at 0 (indices 2, 3 may be accepted), then, from where it left, at 1
+    # (N = 0, p = 1/2) with only index 3 left, or at 2 (N = 1, p = 1/4): no round (past the end).
+    assert walk["rounds"] == pytest.approx(1 + 0.5)
+    assert walk["accepted"] == pytest.approx((a + a * a) + 0.5 * a)
+    assert walk["accepted_per_pos"] == pytest.approx([a + 0.5 * a, a * a])
+    assert acceptance_length([walk]) == pytest.approx(1 + (0.75 + 0.25) / 1.5)
+
+
+def test_offline_estimate_is_the_greedy_replay_where_alpha_is_0_or_1():
+    from eagle3flow.eval.rejection_estimate import expected_acceptance
+
+    ids = [1, 2, 3, 20, 21, 22, 23, 24, 25]
+    chains = chains_from({2: [21, 99, 23], 4: [22, 23, 24], 5: [24, 25, 26]}, len(ids), 3)
+    replay = replay_greedy_speculation(chains, ids, prompt_len=3)
+    # alpha 1 where the draft's guess is the next token, 0 elsewhere.
+    alpha = [[float(t + 2 + j < len(ids) and chains[t, j].item() == ids[t + 2 + j]) for j in range(3)]
+             for t in range(len(ids))]
+    walk = expected_acceptance(alpha, prompt_len=3, total=len(ids))
+    assert walk["rounds"] == replay["rounds"] and walk["accepted"] == replay["accepted"]
+    assert walk["accepted_per_pos"] == replay["accepted_per_pos"]
