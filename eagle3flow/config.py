@@ -324,9 +324,10 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     """The evaluate section as the evaluation takes it: the optional prompt sets that
     exist joined to prompt_sets, tensor parallelism 1 where the node has no GPUs or the
     evaluation runs on the CPU (else, unset, the stage takes every GPU its job sees: the
-    node's ``gpus``, or 1 where vLLM turns out to be the CPU build), and the replay's
+    node's ``gpus``, or 1 where vLLM turns out to be the CPU build), the replay's
     largest K the TTT steps unless set (the acceptance-length-vs-K curve then comes from
-    the one baseline run); and EVALUATE_BORROWED."""
+    the one baseline run), the temperatures unless set (:func:`default_temperatures`);
+    and EVALUATE_BORROWED."""
     settings = copy.deepcopy(config["evaluate"])
     optional = settings.pop("optional_prompt_sets")
     settings["prompt_sets"] = {**{name: path for name, path in optional.items() if exists(path)},
@@ -334,5 +335,17 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     if settings["tensor_parallel_size"] is None and (gpus == 0 or settings["device"] == "cpu"):
         settings["tensor_parallel_size"] = 1
     settings["replay_max_k"] = settings["replay_max_k"] or config["train"]["ttt_steps"]
+    if settings["temperatures"] is None:
+        settings["temperatures"] = default_temperatures(config)
     settings.update(borrowed_values(config, EVALUATE_BORROWED))
     return settings
+
+
+def default_temperatures(config: dict) -> list[float] | None:
+    """evaluate.temperatures left null: greedy, and the temperature the draft's answers were
+    sampled at (regenerate.temperature, where regenerate is on and it is above 0); None
+    where that is greedy alone (the stage's default: a run at it keeps its command line)."""
+    regenerate = config["regenerate"]
+    if regenerate["enabled"] and float(regenerate["temperature"]) > 0:
+        return [0.0, float(regenerate["temperature"])]
+    return None

@@ -156,6 +156,24 @@ def test_evaluate_settings_resolve_prompt_sets_parallelism_and_replay_k():
     assert (settings["tensor_parallel_size"], settings["replay_max_k"]) == (2, 3)
 
 
+def test_evaluate_temperatures_default_to_greedy_and_the_regeneration_temperature():
+    """evaluate.temperatures null: greedy alone (left null: the stage's command line stays as
+    it was) unless the draft's answers were sampled, then that temperature too; a list given
+    is kept; a negative temperature is refused naming the key."""
+    assert config_lib.evaluate_settings(workflow_config(), gpus=0)["temperatures"] is None
+    sampled = workflow_config(regenerate={"enabled": True, "temperature": 0.6})
+    assert config_lib.evaluate_settings(sampled, gpus=0)["temperatures"] == [0.0, 0.6]
+    greedy = workflow_config(regenerate={"enabled": True, "temperature": 0.0})
+    assert config_lib.evaluate_settings(greedy, gpus=0)["temperatures"] is None
+    listed = workflow_config(regenerate={"enabled": True, "temperature": 0.6},
+                             evaluate={"temperatures": [0, 1.0]})
+    assert config_lib.evaluate_settings(listed, gpus=0)["temperatures"] == [0, 1.0]
+    with pytest.raises(ValueError, match="temperatures"):
+        section_settings("evaluate", {"temperatures": [-0.5]})
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        section_settings("evaluate", {"samples_per_prompt": 1})
+
+
 def test_config_yaml_holds_only_what_a_user_sets():
     """config.yaml repeats no schema default: a key there either changes its default or is
     a path the user fills in (null until then)."""

@@ -251,13 +251,17 @@ def write_eval_split(path: Path, prompts: list[dict], outputs: list[list[int]]) 
 def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     """Both vLLM engines, the replay and the eval split on a random draft whose reduced
     vocab (the target's 4 most frequent greedy tokens) makes it right part of the time:
-    greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly."""
+    greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly. The
+    same two engines also sample at one temperature (no engine start added): vLLM's
+    acceptance there has a bootstrap interval, the offline estimate falls in it, and the
+    answers with and without the draft pass the distributional lossless test."""
     from collections import Counter
 
     from eagle3flow.extract.hf import extract
     from eagle3flow.eval.evaluate import main
 
     num_prompts, max_tokens, k = 6, 24, 3
+    temperature, samples = 0.3, 8
     prompts_file = write_eval_prompts(tmp_path / "eval_prompts.jsonl", num_prompts)
     prompts = render_prompts(prompts_file, chat_target)
     outputs = hf_greedy(chat_target, prompts, max_tokens)
@@ -271,7 +275,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     out = tmp_path / "eval" / "summary.json"
     t0 = time.monotonic()
     summary = evaluate(draft, chat_target, prompts_file, manifest, out, EvalOptions(num_speculative_tokens=k,
-                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu"))
+                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu",
+                       temperatures=[0, temperature], samples_per_prompt=samples))
     print(f"evaluate end to end: {time.monotonic() - t0:.1f}s")
     assert json.loads(out.read_text())["agreement"] == summary["agreement"]
 
@@ -297,14 +302,34 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert summary["settings"]["replay"]["run"] and summary["settings"]["replay"]["setting"] == "auto"
     assert "fit" in summary["settings"]["replay"]["reason"]
 
+    # At temperature, in the same engines: the greedy keys above are where they were.
+    assert summary["settings"]["temperatures"] == [0.0, temperature]
+    assert summary["settings"]["draft_sample_method"] == "probabilistic"   # vLLM 0.32 has it
+    hot = summary["by_temperature"][repr(temperature)]
+    served, offline, lossless = hot["vllm"], hot["offline"], hot["lossless"]
+    assert served["num_generations"] == num_prompts * samples
+    assert served["num_draft_tokens"] == k * served["num_drafts"] and served["num_accepted_tokens"] > 0
+    assert served["ci_low"] <= served["acceptance_length"] <= served["ci_high"], served
+    assert "bootstrap over prompts" in served["ci_method"]
+    # CI's check: the offline estimate (rejection sampling along the target's own sampled
+    # answers) agrees with vLLM within its interval.
+    assert offline["within_ci"], (offline, served)
+    assert lossless["passed"] and lossless["num_prompts"] == num_prompts, lossless
+    assert lossless["num_samples"] == 2 * num_prompts * samples and "permutation" in lossless["test"]
+    print(f"T={temperature}: vLLM AL {served['acceptance_length']:.3f} "
+          f"[{served['ci_low']:.3f}, {served['ci_high']:.3f}], offline {offline['acceptance_length']:.3f}, "
+          f"greedy {vllm['acceptance_length']:.3f}, lossless p={lossless['p_value']:.3f}")
+
     # A rerun through the CLI reuses both vLLM runs and every replayed prompt.
     capsys.readouterr()
-    settings = {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu"}
+    settings = {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu",
+                "temperatures": [0, temperature], "samples_per_prompt": samples}
     with deadline(120, "a rerun that should start no vLLM engine"):
         main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
               "--eval-manifest", str(manifest), "--out", str(out), "--config-json", json.dumps(settings)])
     err = capsys.readouterr().err
     assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
+    assert "evaluate[estimate" not in err
     assert json.loads(out.read_text())["vllm"] == vllm
 
     # Without the replay (evaluate.replay: false, as auto decides for a target no device
@@ -318,6 +343,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert unreplayed["vllm"] == vllm and unreplayed["lossless"] == summary["lossless"]
     assert unreplayed["simulated"] is None and unreplayed["acceptance_length_vs_k"] is None
     assert unreplayed["eval_split"] == summary["eval_split"]
+    unreplayed_hot = unreplayed["by_temperature"][repr(temperature)]
+    assert unreplayed_hot["vllm"] == served and unreplayed_hot["offline"] is None
 
 
 def test_replay_is_skipped_for_a_target_no_device_holds(chat_target, tmp_path):

@@ -129,7 +129,7 @@ def test_outputs_without_per_request_metrics_still_evaluate():
 
 # ----------------------------------------------------------------------------- at temperature
 
-def _answers(rng, probs: list[float], prompts: int, n: int, length: int = 3) -> list[list[list[int]]]:
+def _answers(rng, probs: list[float], prompts: int, n: int, length: int = 5) -> list[list[list[int]]]:
     """``prompts`` x ``n`` answers whose tokens are drawn i.i.d. from ``probs``."""
     import numpy as np
 
@@ -168,6 +168,8 @@ def test_distribution_test_counts_an_ended_answer_and_names_itself():
                                false_alarm_rate=0.01, permutations=199)
     assert not result["passed"] and result["p_value"] == pytest.approx(1 / 200)
     assert result["statistic"] == pytest.approx(6 * 2 * 2)   # squared L2 2 at positions 1, 2
+    # Position 0 (the prefill's token) is not compared: it is the same with either seed.
+    assert distribution_test([[[1, 5]] * 4] * 3, [[[2, 5]] * 4] * 3)["statistic"] == pytest.approx(0)
     assert result["test"] == TEST_NAME and result["num_samples"] == 96
     same = distribution_test([[[1, 2]] * 4] * 3, [[[1, 2]] * 4] * 3)
     assert same["passed"] and same["statistic"] == pytest.approx(0) and same["p_value"] == 1.0

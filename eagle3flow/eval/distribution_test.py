@@ -5,11 +5,11 @@ At temperature the same seed does not give the same text with and without the dr
 (the draft's proposals and the rejection sampler consume random numbers the plain
 decoder does not), so the greedy check (identical outputs) does not apply. What
 speculative sampling promises is the same *distribution* of answers. For each prompt,
-``n`` answers sampled without the draft and ``n`` with it are compared on the first
-LOSSLESS_POSITIONS tokens.
+``n`` answers sampled without the draft and ``n`` with it are compared on their tokens
+``1..m`` (``m`` = LOSSLESS_POSITIONS by default).
 
 The test: a **stratified two-sample permutation test**. Statistic: the sum, over
-prompts and over positions ``0..m-1``, of the unbiased estimate of the squared L2
+prompts and over positions ``1..m``, of the unbiased estimate of the squared L2
 distance ``sum_x (p(x) - q(x))^2`` between the two groups' distributions of the token at
 that position (an answer already ended counts as its own category):
 ``sum_x [a_x(a_x-1)/(n_a(n_a-1)) + b_x(b_x-1)/(n_b(n_b-1)) - 2 a_x b_x/(n_a n_b)]`` from the
@@ -23,8 +23,12 @@ approximation would not hold).
 p-value: ``(1 + #{permuted >= observed}) / (1 + permutations)``; the check fails when
 ``p < false_alarm_rate``, i.e. a lossless draft is flagged at most that often.
 
-Position 0 alone would prove nothing: the first token comes from the prefill, before the
-draft proposes anything. Positions 1.. are where drafts are accepted or rejected.
+Position 0 is left out: the first token comes from the prefill, before the draft proposes
+anything, and with the same seed both engines draw the same one (identical pairs would
+make the permutation test blind: their distance is 0 whatever the draft does later).
+From position 1 on the draft's proposals and the rejection sampler use the random numbers
+differently, so the two answers of a seed are no longer coupled; tokens 1.. are where
+drafts are accepted or rejected.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ LOSSLESS_POSITIONS = 4
 PERMUTATIONS = 999
 ENDED = -1          # the category of a position past an answer's end
 TEST_NAME = ("stratified two-sample permutation test (labels shuffled within each prompt); "
-             "statistic: sum over prompts and over the first m positions of the unbiased squared "
+             "statistic: sum over prompts and over answer positions 1..m of the unbiased squared "
              "L2 distance between the token distributions with and without the draft")
 
 
@@ -61,7 +65,8 @@ def _squared_l2(in_a: np.ndarray, onehot: np.ndarray, n_a: int, n_b: int) -> np.
 
 
 def _leading(answers: Sequence[Sequence[int]], m: int) -> np.ndarray:
-    return np.array([[int(a[j]) if j < len(a) else ENDED for j in range(m)] for a in answers],
+    """Tokens ``1..m`` of each answer (position 0, the prefill's, is left out: module doc)."""
+    return np.array([[int(a[j]) if j < len(a) else ENDED for j in range(1, m + 1)] for a in answers],
                     dtype=np.int64).reshape(len(answers), m)
 
 

@@ -32,6 +32,7 @@ Result JSON::
      "sets": [{"name", "wall_time_s", "num_output_tokens", "output_tokens_per_s",
                "outputs": [...], "spec_decode": ...}],
      "draft_sample_method": null | "greedy" | "probabilistic", "draft_sample_note": str,
+     "cpu_expand_kernel": null | str (the CPU build's fix: eagle3flow/serving/vllm_cpu_fixes.py),
      "temperature_runs": [{"temperature", "sets": [{"name", "wall_time_s", "num_output_tokens",
                             "outputs": [{"id", "sample", "seed", "prompt_token_ids",
                                          "output_token_ids", "finish_reason", "spec_decode"}],
@@ -77,6 +78,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
+from eagle3flow.serving.vllm_cpu_fixes import fix_expand_kernel
 from eagle3flow.target.config import is_wrapper, load_target_config, read_config_file
 from eagle3flow.target.tokenizer import load_tokenizer
 
@@ -337,6 +339,11 @@ def generate(request: dict) -> dict:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    cpu_fix = None
+    if on_cpu:
+        # Sampling at temperature with a draft needs it (eagle3flow/serving/vllm_cpu_fixes.py).
+        cpu_fix = (fix_expand_kernel() if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                   else "not applied: the engine core runs in a child process")
     if device == "auto":
         device = "cpu" if on_cpu else current_platform.device_type
     if device == "cpu" and not on_cpu:
@@ -433,6 +440,7 @@ def generate(request: dict) -> dict:
         "sets": set_results,
         "draft_sample_method": draft_method,
         "draft_sample_note": draft_note,
+        "cpu_expand_kernel": cpu_fix,
         "temperature_runs": temperature_runs,
     }
 
