@@ -177,3 +177,21 @@ def test_distribution_test_counts_an_ended_answer_and_names_itself():
     assert not nothing["passed"] and nothing["p_value"] is None     # nothing compared: no pass
     with pytest.raises(ValueError, match="false_alarm_rate"):
         distribution_test([[[1]]], [[[1]]], false_alarm_rate=0)
+
+
+def test_cpu_expand_kernel_fix_probes_before_it_replaces():
+    """The CPU build's expand kernel (the per-request temperature of the rejection sampler)
+    is replaced only where it leaves a float output unwritten; the replacement expands."""
+    pytest.importorskip("vllm")
+    from eagle3flow.serving.vllm_cpu_fixes import _expand_in_torch, expand_kernel_is_broken
+
+    assert not expand_kernel_is_broken(_expand_in_torch)
+    out = torch.zeros(5)
+    _expand_in_torch(out, torch.tensor([0.7, 0.0]), torch.tensor([2, 5]), 0, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0])   # greedy (0) read as 1
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        import vllm._C  # noqa: F401
+        from vllm.utils import cpu_triton_utils
+        # vLLM 0.32's: a later vLLM that fixes it makes this fail, and the fix can go.
+        assert expand_kernel_is_broken(cpu_triton_utils._expand_kernel_impl)

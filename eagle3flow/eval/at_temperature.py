@@ -74,3 +74,4 @@ def temperature_row(base_set: dict, spec_set: dict, walks: dict | None, options)
             "within_ci": within(estimate, ci),
         }
     return {"vllm": vllm, "lossless": lossless, "offline": offline}
+
