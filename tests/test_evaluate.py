@@ -554,3 +554,17 @@ def test_offline_estimate_is_the_greedy_replay_where_alpha_is_0_or_1():
     walk = expected_acceptance(alpha, prompt_len=3, total=len(ids))
     assert walk["rounds"] == replay["rounds"] and walk["accepted"] == replay["accepted"]
     assert walk["accepted_per_pos"] == replay["accepted_per_pos"]
+
+
+def test_bad_temperature_settings_are_refused_before_anything_loads(tmp_path):
+    """Named by their key, before the draft, the tokenizer or an engine is read (the draft
+    directory here does not even exist)."""
+    prompts = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 1)
+    missing = tmp_path / "no_draft"
+    with pytest.raises(ValueError, match="evaluate.temperatures"):
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json", EvalOptions(temperatures=[0, -0.5]))
+    with pytest.raises(ValueError, match="evaluate.samples_per_prompt"):
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json",
+                 EvalOptions(temperatures=[0.6], samples_per_prompt=1))
+    with pytest.raises(FileNotFoundError):      # greedy alone: those settings are not read
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json", EvalOptions(samples_per_prompt=1))
