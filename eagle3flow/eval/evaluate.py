@@ -251,15 +251,18 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
                                              label=f"replay {name}", trust_remote_code=trust_remote_code)
+        # The draft proposes as the engine let it: sampled at the temperature, or its argmax.
+        probabilistic = results[run_name(name, k)].get("draft_sample_method") == "probabilistic"
         for t, run in zip(sampled, baseline.get("temperature_runs") or []):
-            estimate_key = fingerprint([REPLAY_VERSION, "temperature", t, baseline["request_fingerprint"],
+            draft_t = t if probabilistic else 0.0
+            estimate_key = fingerprint([REPLAY_VERSION, "temperature", t, draft_t, baseline["request_fingerprint"],
                                         dir_stamp(path), k, dtype_name, torch_device.type])
             estimate_file = (f"estimate_t{t:g}.jsonl" if name == draft_name
                              else f"estimate_t{t:g}_{safe_name(name)}.jsonl")
             walks[(name, t)] = {unit: row["by_k"][str(k)] for unit, row in estimate_at_temperature(
                 path, target_path, sampled_units(run), k, t, o.device, o.dtype, out_dir / estimate_file,
                 estimate_key, loaded, label=f"estimate {name} T={t:g}",
-                trust_remote_code=trust_remote_code).items()}
+                trust_remote_code=trust_remote_code, draft_temperature=draft_t).items()}
     serving_dtype = baseline["dtype"]
 
     per_set: dict[str, dict] = {}

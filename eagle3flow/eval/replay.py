@@ -198,11 +198,13 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
 
 
 def temperature_alpha(target, draft, aux_layer_ids: list[int], ids: list[int], max_k: int,
-                      temperature: float, device) -> list[list[float]]:
+                      temperature: float, device, draft_temperature: float | None = None) -> list[list[float]]:
     """Per row ``t`` and step ``j`` of one answer, ``sum_x min(p, q)``: ``p`` the target's
     distribution for index ``t + 2 + j`` at ``temperature`` (its logits at row ``t + 1 + j``),
-    ``q`` the draft's step ``j`` from row ``t`` at the same temperature (vLLM's probabilistic
-    draft sampling tempers the draft's logits with the request's temperature), over the
+    ``q`` the draft's step ``j`` from row ``t`` at ``draft_temperature`` (default: the same;
+    vLLM's probabilistic draft sampling tempers the draft's logits with the request's
+    temperature; 0 where the draft proposes its argmax, which the rejection sampler then
+    takes as a one-hot proposal: ``alpha = p(argmax q)``), over the
     draft's vocabulary mapped to target ids (the target's mass outside it is never
     proposed). The draft's later steps are fed the answer's own tokens (teacher forcing):
     where a step is accepted, the token it proposed is the answer's next one."""
@@ -216,7 +218,7 @@ def temperature_alpha(target, draft, aux_layer_ids: list[int], ids: list[int], m
     alpha = torch.zeros(total, max_k)
     draft_targets = draft.draft_to_target(torch.arange(draft.d2t.numel(), device=device))
     for j, step_logits in enumerate(logits):
-        q = tempered(step_logits, temperature)                              # [T, Vd]
+        q = tempered(step_logits, temperature if draft_temperature is None else draft_temperature)
         rows = total - 1 - j           # rows t with a target distribution at row t + 1 + j
         if rows <= 0:
             break
@@ -228,11 +230,13 @@ def temperature_alpha(target, draft, aux_layer_ids: list[int], ids: list[int], m
 def estimate_at_temperature(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
                             temperature: float, device: str, dtype: str, estimate_path: Path,
                             key: str, loaded: dict, label: str = "estimate",
-                            trust_remote_code: bool = False) -> dict[str, dict]:
+                            trust_remote_code: bool = False,
+                            draft_temperature: float | None = None) -> dict[str, dict]:
     """The offline estimate of acceptance at ``temperature`` on each of the target's sampled
     answers (``units``: ``[{"key", "prompt_token_ids", "output_token_ids"}]``): per answer,
     the expected walk (rejection_estimate.expected_acceptance) for every K in
-    ``1..max_k``. Kept in ``estimate_path`` by ``key`` like the replay (resume). Returns
+    ``1..max_k``; ``draft_temperature``: as in :func:`temperature_alpha`. Kept in
+    ``estimate_path`` by ``key`` like the replay (resume). Returns
     ``{unit key: {"by_k": {"K": walk}}}``."""
     done = load_replays(estimate_path, key)
     todo = [u for u in units if u["key"] not in done]
@@ -251,7 +255,7 @@ def estimate_at_temperature(draft_dir: Path, target_path: Path, units: list[dict
             for unit in todo:
                 ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
                 alpha = temperature_alpha(target, draft, aux_layer_ids, ids, max_k, temperature,
-                                          torch_device)
+                                          torch_device, draft_temperature)
                 row = {"id": unit["key"], "fingerprint": key, "by_k": {
                     str(k): expected_acceptance([a[:k] for a in alpha], len(unit["prompt_token_ids"]),
                                                 len(ids))
