@@ -316,6 +316,11 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert offline["within_ci"], (offline, served)
     assert lossless["passed"] and lossless["num_prompts"] == num_prompts, lossless
     assert lossless["num_samples"] == 2 * num_prompts * samples and "permutation" in lossless["test"]
+    # The CPU build's broken expand kernel was replaced (else answers at temperature collapse
+    # toward the argmax with a draft, which the lossless test above would fail).
+    engine = json.loads((out.parent / "vllm_eagle3.json").read_text())
+    assert engine["cpu_expand_kernel"] == "replaced" and engine["draft_sample_method"] == "probabilistic"
+    assert f"T={temperature:g} vLLM AL" in capsys.readouterr().err      # the summary's lines
     print(f"T={temperature}: vLLM AL {served['acceptance_length']:.3f} "
           f"[{served['ci_low']:.3f}, {served['ci_high']:.3f}], offline {offline['acceptance_length']:.3f}, "
           f"greedy {vllm['acceptance_length']:.3f}, lossless p={lossless['p_value']:.3f}")
