@@ -35,6 +35,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from eagle3flow.train.objective import loss_mix
+
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "config.schema.yaml"
 
 
@@ -256,6 +258,26 @@ def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
     return values
 
 
+# Train keys added after runs were cached: the trainer's command line and its run's
+# fingerprint (eagle3flow/train/checkpoint.py) carry them only when set away from the
+# schema's default, so a run at the defaults keeps its job (Snakemake reruns a job whose
+# params changed) and resumes its checkpoints.
+TRAIN_ONLY_WHEN_SET = ("loss", "loss_temperature", "lk_hybrid_eta")
+
+
+def omit_train_defaults(train: Mapping) -> dict:
+    """The train section without the TRAIN_ONLY_WHEN_SET keys that hold their defaults."""
+    defaults = schema_defaults("train")
+    return {key: value for key, value in train.items()
+            if key not in TRAIN_ONLY_WHEN_SET or value != defaults[key]}
+
+
+def train_stage_settings(config: dict) -> dict:
+    """The trainer's --config-json, of train_draft and of every streaming link: the train
+    section without the TRAIN_ONLY_WHEN_SET keys at their defaults."""
+    return omit_train_defaults(config["train"])
+
+
 def dataset_stage_settings(config: dict) -> dict:
     """prepare_dataset's --config-json: the dataset section and DATASET_BORROWED."""
     return {**config["dataset"], **borrowed_values(config, DATASET_BORROWED)}
@@ -295,6 +317,8 @@ def check_workflow_config(config: dict, environ=os.environ) -> None:
             "drain.enabled is true but drain.unit is not set: set drain.unit to the systemd unit "
             "that serves the target (e.g. vllm-kimi-k25-int4.service), or drain.enabled: false "
             "where nothing holds the GPUs")
+    # The schema checks each loss name and weight; that some weight is not 0 it cannot say.
+    loss_mix(config["train"]["loss"])
     regenerate = config["regenerate"]
     if uses_builtin_prompts(config) and not regenerate["enabled"]:
         raise ValueError(

@@ -74,7 +74,7 @@ if STREAM is not None:
         params:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
             cache=LAYOUT.train_cache,
-            cfg=json_arg("train"),
+            cfg=json_arg_of(config_lib.train_stage_settings(config)),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
@@ -107,7 +107,7 @@ if STREAM is not None:
         params:
             link_args=link_args(STREAM_LAST),
             cache=LAYOUT.train_cache,
-            cfg=json_arg("train"),
+            cfg=json_arg_of(config_lib.train_stage_settings(config)),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
         threads: COMPUTE_THREADS

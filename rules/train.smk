@@ -14,7 +14,7 @@ rule train_draft:
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.weights),
         cache=LAYOUT.train_cache,
-        cfg=json_arg("train"),
+        cfg=json_arg_of(config_lib.train_stage_settings(config)),
         gpu_stage=gpu_stage("train_draft"),
         launch=trainer_launch(),
     threads: COMPUTE_THREADS

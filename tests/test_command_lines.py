@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3flow.config import TRAIN_ONLY_WHEN_SET
 from support.fault_rows import record, yes
 from support.workflow import snakemake, workflow_copy
 
@@ -93,6 +94,8 @@ def test_hostile_config_values_reach_every_command_as_one_argument(tmp_path, pro
         # target.trust_remote_code off: not in any command (they stay what they were, so
         # a run made before it was a key of --config-json reruns nothing)
         assert "trust_remote_code" not in settings, argv
+        # nor train.loss and its settings at their defaults (train runs cached before them rerun nothing)
+        assert not set(settings) & set(TRAIN_ONLY_WHEN_SET), argv
         for section, values in HOSTILE.items():
             for key, value in values.items():
                 if key in settings and section != "paths":
@@ -182,7 +185,8 @@ def test_every_stage_command_takes_path_flags_and_one_config_json(tmp_path, prof
     artifact paths as flags, its settings as at most one --config-json, and nothing else but
     the flags that name its job; every stage that loads the target has trust_remote_code in
     that JSON."""
-    config = {"target": {"trust_remote_code": True}, "drain": {"unit": "vllm.service"}}
+    config = {"target": {"trust_remote_code": True}, "drain": {"unit": "vllm.service"},
+              "train": {"loss": {"forward_kl": 0.5, "nla": 0.5}, "loss_temperature": 0.6}}
     workdir, result = dry_run(tmp_path, profile, config, *targets)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     seen: dict[str, set[str]] = {}
@@ -199,6 +203,10 @@ def test_every_stage_command_takes_path_flags_and_one_config_json(tmp_path, prof
             if module in LOADS_TARGET:
                 settings = json.loads(dict(flags)["--config-json"][0])
                 assert settings.get("trust_remote_code") is True, (module, args)
+            if module == "eagle3flow.train.trainer":
+                trainer = json.loads(dict(flags)["--config-json"][0])
+                assert (trainer["loss"], trainer["loss_temperature"]) == (config["train"]["loss"], 0.6), args
+                assert "lk_hybrid_eta" not in trainer, args     # at its default
     assert LOADS_TARGET <= set(seen) or profile != "embedded-regenerate", sorted(seen)
     assert not any(seen.values()), {module: flags for module, flags in seen.items() if flags}
 

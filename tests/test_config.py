@@ -186,6 +186,33 @@ def test_config_yaml_holds_only_what_a_user_sets():
     assert not repeated, f"config.yaml repeats the schema's defaults of {repeated}"
 
 
+def test_train_loss_settings_at_their_defaults_leave_the_trainers_command_and_fingerprint_alone():
+    """train.loss, loss_temperature and lk_hybrid_eta came after runs were cached: at their
+    defaults neither the trainer's --config-json nor its run's fingerprint names them."""
+    from eagle3flow.train.config import NOT_FINGERPRINTED
+
+    config = workflow_config()
+    assert config["train"]["loss"] == "forward_kl"
+    before = {k: v for k, v in config["train"].items() if k not in config_lib.TRAIN_ONLY_WHEN_SET}
+    assert config_lib.train_stage_settings(config) == before
+    assert config_lib.omit_train_defaults(section_settings("train", {})) == before
+    config["train"].update(loss={"nla": 1}, lk_hybrid_eta=3.0, loss_temperature=0.5)
+    assert config_lib.train_stage_settings(config) == {**before, "loss": {"nla": 1}, "loss_temperature": 0.5}
+    assert not set(config_lib.TRAIN_ONLY_WHEN_SET) & set(NOT_FINGERPRINTED), "they change the trained weights"
+
+
+def test_a_train_loss_without_any_weight_is_refused_when_the_workflow_is_read():
+    config = workflow_config(train={"loss": {"forward_kl": 0, "nla": 0}})
+    with pytest.raises(ValueError, match="train.loss: every weight is 0"):
+        config_lib.check_workflow_config(config, environ={})
+    problems = config_lib.schema_problems({"train": {"loss": {"kl_div": 1}}})
+    assert any(p.startswith("train.loss: ") and "kl_div" in p for p in problems), problems
+    # --config "train={loss: {nla: 0.5}}" hands over strings: typed as the schema says
+    typed = coerce_to_schema({"train": {"loss": {"nla": "0.5"}, "loss_temperature": "0.7"}}, schema())
+    assert typed["train"] == {"loss": {"nla": 0.5}, "loss_temperature": 0.7}
+    assert coerce_to_schema({"train": {"loss": "lk_hybrid"}}, schema())["train"]["loss"] == "lk_hybrid"
+
+
 def test_section_settings_fill_defaults_and_refuse_naming_the_key():
     """The one resolver of every stage's --config-json."""
     settings = section_settings("extract", '{"device": "cuda:1", "aux_layer_ids": [2, 5]}')

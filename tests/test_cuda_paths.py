@@ -188,3 +188,82 @@ def test_fused_linear_soft_cross_entropy_matches_reference():
     (ref_loss * 2).backward()
     for a, b in zip(fast, ref):
         assert _rel(a.grad, b.grad) < 2e-2
+
+
+def test_chunked_linear_acceptance_loss_matches_reference():
+    """The acceptance losses' CUDA path (bf16 lm_head, float32 chunks) against the float64 reference."""
+    from eagle3flow.model.kernels.acceptance import _ChunkedLinearAcceptance, linear_acceptance_loss_reference
+
+    torch.manual_seed(2)
+    n, hidden, vocab = 300, 256, 32000
+    x = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda") * 0.2).to(torch.bfloat16)
+    teacher = (torch.randn(400, vocab, device="cuda") * 3).to(torch.bfloat16)
+    lse, argmax = torch.logsumexp(teacher.float(), -1), teacher.float().argmax(-1)
+    target_lse = lse + 0.3      # a quarter of the target's mass outside the draft vocab
+    target = torch.randint(0, 400, (n,), device="cuda")
+    weights = [torch.rand(n, device="cuda") for _ in range(3)]
+    fast = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    ref = [x.double().requires_grad_(), w.double().requires_grad_()]
+    loss, ce, alpha, hits = _ChunkedLinearAcceptance.apply(*fast, teacher, lse, target_lse, target, argmax,
+                                                           *weights, 128 * vocab)
+    ref_loss, ref_ce, ref_alpha, ref_hits = linear_acceptance_loss_reference(
+        *ref, teacher.double(), lse.double(), target_lse.double(), target, argmax,
+        *(weight.double() for weight in weights))
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-2)
+    assert _rel(ce, ref_ce) < 1e-2 and _rel(alpha, ref_alpha) < 2e-2
+    assert float((hits == ref_hits).float().mean()) > 0.95
+    (loss * 2).backward()
+    (ref_loss * 2).backward()
+    for a, b in zip(fast, ref):
+        assert _rel(a.grad, b.grad) < 3e-2
+
+
+def test_ttt_loss_bf16_acceptance_mix_tracks_fp32():
+    """ttt_loss with a mix of forward KL, nla and lk_hybrid at temperature 0.8 under bf16
+    autocast gives the loss and gradients of float32 on the same GPU."""
+    from eagle3flow.config import section_settings
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
+    from eagle3flow.train.loss import ttt_loss
+    from eagle3flow.train.objective import Objective
+
+    cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=1024, vocab_size=1000,
+                      draft_vocab_size=600, aux_layer_ids=[1, 3, 5])
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    with torch.no_grad():
+        model.reset_parameters(std=0.05)
+        model.embed_tokens.weight.normal_()
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model = model.cuda()
+    lengths = [300, 97, 211]
+    n = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+    batch = {"aux": torch.randn(n, 3 * cfg.hidden_size, device="cuda"),
+             "last": torch.randn(n, cfg.hidden_size, device="cuda"),
+             "input_ids": torch.randint(0, cfg.vocab_size, (n,), device="cuda"),
+             "loss_mask": torch.rand(n, device="cuda") < 0.6, "cu_seqlens": cu}
+    head = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1
+    unreachable = torch.randn(cfg.vocab_size - cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1
+    objective = Objective.of(section_settings("train", {"loss": {"forward_kl": 0.5, "nla": 0.25, "lk_hybrid": 0.5},
+                                                        "loss_temperature": 0.8}))
+    results = {}
+    for autocast in (False, True):
+        dtype = torch.bfloat16 if autocast else torch.float32
+        model.zero_grad(set_to_none=True)
+        loss, stats = ttt_loss(model, batch, head.to(dtype), 4, 0.8, autocast, objective=objective,
+                               unreachable_head=unreachable.to(dtype))
+        loss.backward()
+        results[autocast] = (float(loss), [s[2] for s in stats],
+                             {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    (loss32, rows32, grads32), (loss16, rows16, grads16) = results[False], results[True]
+    assert rows32 == rows16 and min(rows32) > 0
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    assert set(grads16) == set(grads32)
+    for name in grads32:
+        assert _rel(grads16[name], grads32[name]) < 5e-2, name

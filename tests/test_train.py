@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,6 +169,27 @@ def test_killed_run_resumes_bitwise(train_inputs, tmp_path):
     assert f"resuming from {last}" in output
     assert rewritten == [] and unfinished() == [], (rewritten, unfinished())
     assert losses(tmp_path / "out") == reference
+
+
+def test_resume_is_bitwise_with_an_acceptance_loss(train_inputs, tmp_path):
+    """A run with a non-default train.loss (forward KL mixed with lk_hybrid, another
+    temperature) resumed from an earlier checkpoint trains exactly what it trained
+    uninterrupted, and has its own fingerprint (run directory)."""
+    config = {**TRAIN_CONFIG, "epochs": 2, "checkpoint_every": 2, "loss": {"forward_kl": 0.5, "lk_hybrid": 0.5},
+              "loss_temperature": 0.7}
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = (train_inputs["train"], None, train_inputs["vocab"], train_inputs["target"], out, cache)
+    first = train(*args, config)
+    reference = losses(out)
+    run_dir = cache / first["fingerprint"]
+    steps = sorted(run_dir.glob("step-*"))
+    assert len(steps) == 2 and len(reference) == first["steps"] > 2
+    # as if killed after the earlier checkpoint: the later one and the finish never happened
+    shutil.rmtree(steps[-1])
+    (run_dir / "done.json").unlink()
+    assert train(*args, config)["fingerprint"] == first["fingerprint"]
+    assert losses(out) == reference
+    assert train(*args, {**config, "loss": "forward_kl"})["fingerprint"] != first["fingerprint"]
 
 
 def test_bad_inputs_are_named(train_inputs, tmp_path):

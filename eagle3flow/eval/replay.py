@@ -28,7 +28,7 @@ from eagle3flow.target.files import loaded_weight_bytes
 REPLAY_VERSION = 2
 
 
-def replay_greedy_speculation(chains, token_ids, prompt_len: int) -> dict:
+def replay_greedy_speculation(chains, token_ids, prompt_len: int, end: int | None = None) -> dict:
     """Replay greedy speculative decoding of one sequence against its known greedy output.
 
     ``chains [T, K]``: target ids, ``chains[t, j]`` = the draft's guess for index
@@ -41,22 +41,29 @@ def replay_greedy_speculation(chains, token_ids, prompt_len: int) -> dict:
     greedy tokens (never past the end of the output); the target then adds its own
     token, so ``p += n + 1``. Rounds continue while a token remains to be generated.
 
+    ``end`` (default: all of ``token_ids``): where the generation stopped (prompt length +
+    max_tokens), with ``token_ids`` going on past it with the target's greedy tokens.
+    vLLM counts a round's accepted drafts before it cuts the output at max_tokens, so a
+    last round's drafts past the end count as they match that continuation; without it
+    the replay stops counting at the end and can fall short of vLLM's counters there.
+
     Returns ``{"rounds", "accepted", "accepted_per_pos" [K], "per_round" [rounds]}``.
     """
     chains = chains.tolist() if hasattr(chains, "tolist") else [list(c) for c in chains]
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
-    total = len(ids)
-    if len(chains) != total:
-        raise ValueError(f"chains have {len(chains)} rows but the sequence has {total} tokens")
-    if not 1 <= prompt_len <= total:
-        raise ValueError(f"prompt_len {prompt_len} not in 1..{total}")
+    known = len(ids)
+    total = known if end is None else int(end)
+    if len(chains) != known:
+        raise ValueError(f"chains have {len(chains)} rows but the sequence has {known} tokens")
+    if not 1 <= prompt_len <= total <= known:
+        raise ValueError(f"prompt_len {prompt_len}, end {total}: not 1 <= prompt_len <= end <= {known}")
     k = len(chains[0]) if chains else 0
     per_round: list[int] = []
     p = prompt_len - 1
     while p + 2 <= total - 1:
         row = chains[p]
         n = 0
-        while n < k and p + 2 + n < total and row[n] == ids[p + 2 + n]:
+        while n < k and p + 2 + n < known and row[n] == ids[p + 2 + n]:
             n += 1
         per_round.append(n)
         p += n + 1

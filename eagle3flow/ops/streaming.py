@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import cli_settings
+from eagle3flow.config import cli_settings, omit_train_defaults
 from eagle3flow.layout import Layout
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
@@ -229,7 +229,8 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{stats}: no splits.train.tokens (prepare_dataset's stats)") from None
     # The chain makes the epochs: each link is one pass over its partition.
-    link_config = {**config, "epochs": 1}
+    # The new train keys at their defaults stay off the trainer's command line, as train_draft's.
+    link_config = {**omit_train_defaults(config), "epochs": 1}
     args = ["--train-manifest", str(train_manifest), "--vocab-map", str(vocab_map), "--target", str(target),
             "--out-dir", str(out_dir), "--cache-root", str(cache_root),
             "--config-json", json.dumps(link_config, sort_keys=True),

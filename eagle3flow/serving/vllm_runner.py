@@ -50,6 +50,7 @@ totals over all sets.
 own N best next tokens with their raw logits (``[[token, logit], ...]``, best first; vLLM's
 ``logprobs_mode="raw_logits"``). What judges a greedy divergence (eagle3flow/eval/agreement.py)
 without loading the target a second time, and in the numbers the serving engine computed.
+They come from a second, untimed pass of the same batch: the timings are of plain decoding.
 
 Greedy decoding (temperature 0) first. Then, for each of ``temperatures`` (each > 0), in
 the same engine (an engine start costs more than the sampling here): every single prompt of
@@ -497,6 +498,14 @@ def _first_turns(prompt_set: dict, tokenizer, request: dict) -> list[dict]:
     return items
 
 
+def _without_logprobs(params):
+    if not params.logprobs:
+        return params
+    timed = params.clone()
+    timed.logprobs = None
+    return timed
+
+
 def _top_logits(completion, n: int) -> list[list[list]]:
     """Per generated position, the ``n`` best ``[token, raw logit]`` pairs, best first (vLLM
     adds the sampled token to the top ``n`` where it is not among them: dropped here)."""
@@ -545,10 +554,14 @@ def _generate_set(llm, prompt_set: dict, params, spec, tokenizer, request: dict,
                 raise ValueError(f"set {prompt_set['name']}, prompt {item['id']}: "
                                  f"{len(item['prompt_token_ids'])} tokens + max_tokens "
                                  f"{request['max_tokens']} > max_model_len {max_len}")
+        batch = [{"prompt_token_ids": list(i["prompt_token_ids"])} for i in items]
         t0 = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": list(i["prompt_token_ids"])} for i in items],
-                               params, use_tqdm=False)
+        results = llm.generate(batch, _without_logprobs(params), use_tqdm=False)
         wall += time.perf_counter() - t0
+        if params.logprobs:
+            # An untimed second pass records the logits: computing them slowed vLLM 0.25's
+            # decoding five-fold on an H200, which the baseline's tokens/s must not carry.
+            results = llm.generate(batch, params, use_tqdm=False)
         done = []
         for item, r in zip(items, results):
             c = r.outputs[0]

@@ -58,6 +58,16 @@ def build_draft(target_path: str | Path, aux_layer_ids: list[int], d2t: torch.Te
     return model, teacher_head
 
 
+def load_unreachable_head(target_path: str | Path, t2d: torch.Tensor) -> torch.Tensor:
+    """The target lm_head's rows of the tokens outside the draft vocab ``[Vt - Vd, H]``, as
+    stored: the acceptance losses need the target's whole normaliser (a second read of the
+    lm_head, paid only by them)."""
+    head = load_target_head(target_path, parts=("lm_head",))["lm_head"]
+    if head.shape[0] < t2d.numel():
+        raise ValueError(f"{target_path}: lm_head has {head.shape[0]} rows, the vocab map {t2d.numel()}")
+    return head[:t2d.numel()][~t2d].contiguous()
+
+
 def load_trained(train_dir: str | Path, target_path: str | Path, device="cpu") -> Eagle3Draft:
     """The draft from ``results/train`` (draft.safetensors + draft_config.json), embeddings from the target."""
     train_dir = Path(train_dir)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from eagle3flow.atomic import sync_directory, temporary_sibling
+from eagle3flow.config import omit_train_defaults
 from eagle3flow.extract.shards import Manifest, sha256_file
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.identity import target_digest
@@ -45,7 +46,7 @@ def fingerprint(train_manifest: Manifest, vocab_map: str | Path, target_path: st
         # The teacher's lm_head comes from the target: every weight file's size, mtime and
         # header (eagle3flow/target/identity.py), so a new target never resumes an old run.
         "target_identity": target_digest(target_path),
-        "config": {k: v for k, v in config.items() if k not in NOT_FINGERPRINTED},
+        "config": {k: v for k, v in omit_train_defaults(config).items() if k not in NOT_FINGERPRINTED},
     }
     if chain:
         key["chain"] = chain

@@ -1,5 +1,6 @@
 """The workflow's ``train`` section: its defaults, and which keys the run's fingerprint
-leaves out (eagle3flow/train/checkpoint.py). The trainer checks it with
+leaves out (eagle3flow/train/checkpoint.py; also eagle3flow.config.TRAIN_ONLY_WHEN_SET,
+left out while at their defaults). The trainer checks it with
 eagle3flow.config.section_settings."""
 from __future__ import annotations
 

@@ -4,13 +4,22 @@
 what step ``j`` of row ``t`` sees and predicts); ``CE_j`` is the masked mean soft
 cross-entropy between the teacher ``softmax(lm_head_target(last[t+j+1])[t2d])`` and the
 draft's log-softmax over the draft vocab, on the rows step ``j`` is scored on.
+
+``train.loss`` other than that (eagle3flow/train/objective.py: the LK acceptance losses, a
+mix, another temperature) replaces ``CE_j`` by the objective's masked mean over the same
+rows (:func:`objective_step_loss`); the step weights stay.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from eagle3flow.model.draft import Eagle3Draft, PackedLayout, host_to_device
+from eagle3flow.model.kernels.acceptance import linear_acceptance_loss, mixed_row_loss, row_acceptance
 from eagle3flow.model.kernels.soft_cross_entropy import linear_soft_cross_entropy, row_logsumexp_argmax
+from eagle3flow.train.objective import Objective
 
 
 def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 4096):
@@ -24,9 +33,11 @@ def teacher_targets(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: 
     return torch.cat(probs), torch.cat(argmax)
 
 
-def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 8192):
+def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: int = 8192,
+                   temperature: float = 1.0):
     """The teacher over the draft vocab, kept compact for :func:`soft_cross_entropy`:
-    logits ``[N, Vd]`` in the head's dtype, their logsumexp ``[N]`` float32, argmax ``[N]``."""
+    logits ``[N, Vd]`` in the head's dtype (divided by ``temperature``), their logsumexp
+    ``[N]`` float32, argmax ``[N]``."""
     n = last.shape[0]
     logits = last.new_empty((n, teacher_head.shape[0]), dtype=teacher_head.dtype)
     lse = last.new_empty(n, dtype=torch.float32)
@@ -35,8 +46,32 @@ def teacher_logits(last: torch.Tensor, teacher_head: torch.Tensor, chunk_rows: i
         for a in range(0, n, chunk_rows):
             chunk = torch.mm(last[a:a + chunk_rows].to(teacher_head.dtype), teacher_head.T,
                              out=logits[a:a + chunk_rows])
+            if temperature != 1.0:
+                chunk.div_(temperature)
             row_logsumexp_argmax(chunk, lse[a:a + chunk_rows], argmax[a:a + chunk_rows])
     return logits, lse, argmax
+
+
+def target_logsumexp(last: torch.Tensor, draft_vocab_lse: torch.Tensor, unreachable_head: torch.Tensor,
+                     temperature: float = 1.0, max_chunk_elements: int = 2 ** 28) -> torch.Tensor:
+    """The target's logsumexp over its whole vocab ``[N]`` float32: the draft vocab's
+    (``draft_vocab_lse``, from :func:`teacher_logits`) and that of ``unreachable_head``, the
+    lm_head rows of the tokens outside it (eagle3flow/train/build.py), one chunk of rows at
+    a time so the ``[N, Vt - Vd]`` logits never exist whole."""
+    n, outside = last.shape[0], unreachable_head.shape[0]
+    if outside == 0:
+        return draft_vocab_lse
+    lse = last.new_empty(n, dtype=torch.float32)
+    argmax = last.new_empty(n, dtype=torch.int64)
+    chunk_rows = max(1, max_chunk_elements // outside)
+    with torch.no_grad():
+        for a in range(0, n, chunk_rows):
+            chunk = last[a:a + chunk_rows].to(unreachable_head.dtype) @ unreachable_head.T
+            if temperature != 1.0:
+                chunk.div_(temperature)
+            row_logsumexp_argmax(chunk, lse[a:a + chunk_rows], argmax[a:a + chunk_rows])
+            del chunk
+    return torch.logaddexp(draft_vocab_lse, lse)
 
 
 def scored_mask(layout: PackedLayout, loss_mask: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -109,8 +144,15 @@ class StepStats:
 
 
 def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
-             decay: float, autocast: bool, denominators: list[int] | None = None):
+             decay: float, autocast: bool, denominators: list[int] | None = None,
+             objective: Objective | None = None, unreachable_head: torch.Tensor | None = None,
+             reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Weighted TTT loss (float32 scalar) and :class:`StepStats` (per-step loss, accuracy, rows).
+
+    ``objective`` (eagle3flow/train/objective.py; None: forward KL at temperature 1, the
+    original path): any other loss goes through :func:`objective_step_loss`, which needs
+    ``unreachable_head`` for the acceptance losses and, for lk_hybrid under data
+    parallelism, ``reduce_sum`` (a sum over ranks; every rank calls it exactly once).
 
     ``denominators[j]`` (data parallelism, eagle3flow/train/trainer.py): divide step ``j``'s summed
     cross-entropy by the scored rows of the whole global batch instead of this rank's
@@ -130,17 +172,41 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
         rows, counts = batch["scored_rows"], [int(c) for c in batch["step_rows"]]
     else:
         rows, counts = scored_rows(batch["cu_seqlens"], batch["loss_mask"], num_steps)
+    if objective is not None and not objective.is_forward_kl:
+        return objective_step_loss(model, batch, teacher_head, num_steps, decay, autocast, denominators,
+                                   objective, unreachable_head, reduce_sum, layout, rows, counts)
     t_logits, t_lse, t_argmax = teacher_logits(batch["last"], teacher_head)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
                                       num_steps, layout, compute_logits=False, normed=True)
-    stats = torch.zeros(num_steps, 3, device=device)
     if sum(counts) == 0:
-        return normed[0].new_zeros((), dtype=torch.float32), StepStats(stats)
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
     # Every step's scored rows through the lm_head and the loss at once: one GEMM per
     # direction and one lm_head gradient instead of one per step.
-    rows_per_step = rows.split(counts)
-    x = _GatherRows.apply(rows_per_step, *normed)
+    scored = gather_scored_rows(normed, rows, counts, num_steps, decay, denominators)
+    total, row_ce, hits = linear_soft_cross_entropy(scored.x, model.lm_head.weight.to(scored.x.dtype), t_logits,
+                                                    t_lse, scored.target, t_argmax, scored.row_scale)
+    return total, step_stats(scored, row_ce, hits, num_steps)
+
+
+@dataclass
+class ScoredRows:
+    """Every TTT step's scored rows as one batch: the draft's normed states ``x [S, H]``,
+    each row's step ``step_id [S]`` and teacher row ``target [S]``, the steps' row counts
+    ``counts [K]`` and normalisers ``denominator [K]`` (float32), and each row's weight
+    ``row_scale [S]`` = ``decay**j / denominator[j]``."""
+    x: torch.Tensor
+    step_id: torch.Tensor
+    target: torch.Tensor
+    counts: torch.Tensor
+    denominator: torch.Tensor
+    row_scale: torch.Tensor
+
+
+def gather_scored_rows(normed: list[torch.Tensor], rows: torch.Tensor, counts: list[int], num_steps: int,
+                       decay: float, denominators: list[int] | None) -> ScoredRows:
+    device = normed[0].device
+    x = _GatherRows.apply(rows.split(counts), *normed)
     count_t = host_to_device(counts, device, torch.float32)
     step_id = torch.repeat_interleave(torch.arange(num_steps, device=device), count_t.long(),
                                       output_size=rows.numel())
@@ -149,9 +215,80 @@ def ttt_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_st
     denominator = count_t if denominators is None else host_to_device(denominators, device, torch.float32)
     decays = host_to_device([decay ** j for j in range(num_steps)], device, torch.float32)
     row_scale = (decays / denominator.clamp(min=1))[step_id]
-    total, row_ce, hits = linear_soft_cross_entropy(x, model.lm_head.weight.to(x.dtype), t_logits, t_lse,
-                                                    target, t_argmax, row_scale)
-    stats[:, 0] = torch.zeros(num_steps, device=device).index_add_(0, step_id, row_ce) / denominator.clamp(min=1)
-    stats[:, 1] = torch.zeros(num_steps, device=device).index_add_(0, step_id, hits.float()) / count_t.clamp(min=1)
-    stats[:, 2] = count_t
-    return total, StepStats(stats)
+    return ScoredRows(x, step_id, target, count_t, denominator, row_scale)
+
+
+def step_stats(scored: ScoredRows, row_loss: torch.Tensor, hits: torch.Tensor, num_steps: int) -> StepStats:
+    """Each step's mean loss (over its global normaliser), argmax accuracy and rows."""
+    device = row_loss.device
+    stats = torch.zeros(num_steps, 3, device=device)
+    stats[:, 0] = (torch.zeros(num_steps, device=device).index_add_(0, scored.step_id, row_loss)
+                   / scored.denominator.clamp(min=1))
+    stats[:, 1] = (torch.zeros(num_steps, device=device).index_add_(0, scored.step_id, hits.float())
+                   / scored.counts.clamp(min=1))
+    stats[:, 2] = scored.counts
+    return StepStats(stats)
+
+
+def objective_step_loss(model: Eagle3Draft, batch: dict, teacher_head: torch.Tensor, num_steps: int,
+                        decay: float, autocast: bool, denominators: list[int] | None, objective: Objective,
+                        unreachable_head: torch.Tensor | None, reduce_sum, layout: PackedLayout,
+                        rows: torch.Tensor, counts: list[int]):
+    """:func:`ttt_loss` for any ``objective`` but today's: the same rows, step weights and
+    normalisers, the loss of eagle3flow/train/objective.py at its temperature.
+
+    The per-step loss in the stats is the objective's value; for lk_hybrid, each step's
+    blend ``lambda_j = exp(-eta * mean alpha_j)`` comes from the mean acceptance of its
+    scored rows over the global batch (``reduce_sum`` sums over ranks) and is constant
+    in the backward, as in the LK losses' paper.
+    """
+    device = batch["input_ids"].device
+    temperature = objective.temperature
+    t_logits, t_lse, t_argmax = teacher_logits(batch["last"], teacher_head, temperature=temperature)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        _, normed = model.forward_ttt(batch["aux"], batch["input_ids"], batch["cu_seqlens"],
+                                      num_steps, layout, compute_logits=False, normed=True)
+    empty = sum(counts) == 0
+    if empty and not objective.needs_step_acceptance:
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
+    scored = gather_scored_rows(normed, rows, counts, num_steps, decay, denominators)
+    # The temperature divides the draft's logits too: through the weight, so autograd
+    # carries the 1/T into the lm_head's and the hidden states' gradients.
+    weight = model.lm_head.weight.to(scored.x.dtype)
+    if temperature != 1.0:
+        weight = weight / temperature
+    kl_weight = objective.weight("forward_kl")
+    if not objective.needs_target_mass:
+        total, row_ce, hits = linear_soft_cross_entropy(scored.x, weight, t_logits, t_lse, scored.target, t_argmax,
+                                                        scored.row_scale * kl_weight)
+        return total, step_stats(scored, kl_weight * row_ce, hits, num_steps)
+    if unreachable_head is None:
+        raise ValueError(f"train.loss {dict(objective.weights)} compares with the target's full "
+                         "distribution: the lm_head rows outside the draft vocab are needed")
+    target_lse = target_logsumexp(batch["last"], t_lse, unreachable_head, temperature)
+    ce_w = torch.full_like(scored.row_scale, kl_weight)
+    tv_w = torch.full_like(scored.row_scale, objective.weight("tv"))
+    nla_w = torch.full_like(scored.row_scale, objective.weight("nla"))
+    if objective.needs_step_acceptance:
+        # before the empty return: every rank takes part in the blend's sum over ranks
+        blend = hybrid_blend(scored, weight, t_logits, t_lse, target_lse, num_steps, objective.hybrid_eta,
+                             reduce_sum)[scored.step_id]
+        ce_w = ce_w + objective.weight("lk_hybrid") * blend
+        tv_w = tv_w + objective.weight("lk_hybrid") * (1 - blend)
+    if empty:
+        return normed[0].new_zeros((), dtype=torch.float32), StepStats(torch.zeros(num_steps, 3, device=device))
+    total, row_ce, alpha, hits = linear_acceptance_loss(
+        scored.x, weight, t_logits, t_lse, target_lse, scored.target, t_argmax,
+        ce_w * scored.row_scale, tv_w * scored.row_scale, nla_w * scored.row_scale)
+    return total, step_stats(scored, mixed_row_loss(row_ce, alpha, ce_w, tv_w, nla_w), hits, num_steps)
+
+
+def hybrid_blend(scored: ScoredRows, weight: torch.Tensor, t_logits, t_lse, target_lse, num_steps: int,
+                 eta: float, reduce_sum) -> torch.Tensor:
+    """lk_hybrid's ``lambda [K]``: ``exp(-eta * mean acceptance)`` of each TTT step over the
+    global batch, no gradient. Every rank calls ``reduce_sum`` once, rows or none."""
+    alpha = row_acceptance(scored.x.detach(), weight.detach(), t_logits, t_lse, target_lse, scored.target)
+    sums = torch.zeros(num_steps, device=alpha.device).index_add_(0, scored.step_id, alpha)
+    if reduce_sum is not None:
+        sums = reduce_sum(sums)
+    return torch.exp(-eta * sums / scored.denominator.clamp(min=1))

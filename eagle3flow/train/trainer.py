@@ -1,7 +1,9 @@
 """Train the EAGLE-3 draft with training-time test (TTT) on extracted hidden states.
 
-Loss: eagle3flow/train/loss.py. The teacher head is the target lm_head's ``t2d`` rows
-``[Vd, H]``, so the full target vocab (e.g. 163840) is never materialised. The draft
+Loss: eagle3flow/train/loss.py, ``train.loss`` eagle3flow/train/objective.py. The teacher
+head is the target lm_head's ``t2d`` rows ``[Vd, H]``, so the full target vocab (e.g.
+163840) is never materialised; the acceptance losses also hold the other rows, whose
+logits only enter a logsumexp one chunk of rows at a time. The draft
 is built from the target by eagle3flow/train/build.py; its optimizer and LR schedule
 are eagle3flow/train/optim.py's.
 
@@ -56,7 +58,7 @@ from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_per_token
 from eagle3flow.progress import Progress
-from eagle3flow.train.build import build_draft, load_vocab_map
+from eagle3flow.train.build import build_draft, load_unreachable_head, load_vocab_map
 from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
                                          init_state_path, list_checkpoints, read_state, restore_training_state,
                                          save_checkpoint, training_state)
@@ -66,6 +68,7 @@ from eagle3flow.train.distributed import DistContext, init_distributed, sum_grad
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.loss import ttt_loss
 from eagle3flow.train.metrics import TrainMetrics, read_metrics, start_metrics_files
+from eagle3flow.train.objective import Objective
 from eagle3flow.train.optim import build_optimizers, build_schedule
 from eagle3flow.train.trackers import Trackers
 
@@ -83,6 +86,7 @@ def train(train_manifest: str | Path, eval_manifest: str | Path | None, vocab_ma
     the number of this run's first epoch (seeds the shuffle).
     """
     cfg = section_settings("train", config)
+    Objective.of(cfg)    # a bad loss is refused before any model loads
     if schedule_tokens is not None and int(schedule_tokens) < 1:
         raise ValueError(f"schedule_tokens must be >= 1, got {schedule_tokens}")
     if int(data_epoch) < 0:
@@ -123,6 +127,16 @@ class Trainer:
             model.embed_tokens.to(torch.bfloat16)
         self.model = model.to(device).train()
         self.teacher_head = teacher_head.to(device, torch.bfloat16 if self.autocast else torch.float32)
+        self.objective = Objective.of(cfg)
+        self.unreachable_head = None
+        if self.objective.needs_target_mass:
+            self.unreachable_head = load_unreachable_head(target_path, t2d).to(device, self.teacher_head.dtype)
+        if not self.objective.is_forward_kl:
+            outside = "" if self.unreachable_head is None else \
+                f", the target's {self.unreachable_head.shape[0]} tokens outside the draft vocab held for its normaliser"
+            log(f"train: loss {dict(self.objective.weights)} at temperature {self.objective.temperature}"
+                + (f", lk_hybrid_eta {self.objective.hybrid_eta}" if self.objective.needs_step_acceptance else "")
+                + outside)
         named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
@@ -178,7 +192,11 @@ class Trainer:
         loss, stats = None, [(0.0, 0.0, 0)] * num_steps
         if batch["input_ids"].numel():
             loss, stats = ttt_loss(model, batch, self.teacher_head, num_steps, cfg["step_loss_decay"],
-                                   self.autocast, denominators=denominators)
+                                   self.autocast, denominators=denominators, objective=self.objective,
+                                   unreachable_head=self.unreachable_head, reduce_sum=self.ctx.all_reduce_sum)
+        elif self.objective.needs_step_acceptance:
+            # lk_hybrid's blend sums acceptance over ranks: a rank without rows still takes part.
+            self.ctx.all_reduce_sum(torch.zeros(num_steps, device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
         if loss is not None and loss.requires_grad:
             loss.backward()
