@@ -284,13 +284,22 @@ def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
 # schema's default, so a run at the defaults keeps its job (Snakemake reruns a job whose
 # params changed) and resumes its checkpoints.
 TRAIN_ONLY_WHEN_SET = ("loss", "loss_temperature", "lk_hybrid_eta")
+# Train keys that only pick which checkpoint is kept (not in the fingerprint): off the
+# trainer's command line at their defaults too, so a run at the defaults keeps its job.
+TRAIN_PICK_ONLY_WHEN_SET = ("checkpoint_metric", "checkpoint_temperature")
+# Evaluate keys added after evaluations were made, likewise: the evaluation's command line
+# carries them only when set away from the default, so an evaluation at the defaults is
+# not made again.
+EVALUATE_ONLY_WHEN_SET = ("temperatures", "samples_per_prompt", "sample_seed", "confidence",
+                          "lossless_positions", "lossless_false_alarm_rate")
 
 
 def omit_train_defaults(train: Mapping) -> dict:
-    """The train section without the TRAIN_ONLY_WHEN_SET keys that hold their defaults."""
+    """The train section without the TRAIN_ONLY_WHEN_SET and TRAIN_PICK_ONLY_WHEN_SET keys
+    that hold their defaults."""
     defaults = schema_defaults("train")
     return {key: value for key, value in train.items()
-            if key not in TRAIN_ONLY_WHEN_SET or value != defaults[key]}
+            if key not in TRAIN_ONLY_WHEN_SET + TRAIN_PICK_ONLY_WHEN_SET or value != defaults[key]}
 
 
 def train_stage_settings(config: dict) -> dict:
@@ -369,9 +378,10 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     """The evaluate section as the evaluation takes it: the optional prompt sets that
     exist joined to prompt_sets, tensor parallelism 1 where the node has no GPUs or the
     evaluation runs on the CPU (else, unset, the stage takes every GPU its job sees: the
-    node's ``gpus``, or 1 where vLLM turns out to be the CPU build), and the replay's
+    node's ``gpus``, or 1 where vLLM turns out to be the CPU build), the replay's
     largest K the TTT steps unless set (the acceptance-length-vs-K curve then comes from
-    the one baseline run); and EVALUATE_BORROWED."""
+    the one baseline run), the temperatures unless set (:func:`default_temperatures`);
+    and EVALUATE_BORROWED; the EVALUATE_ONLY_WHEN_SET keys only away from their defaults."""
     settings = copy.deepcopy(config["evaluate"])
     optional = settings.pop("optional_prompt_sets")
     settings["prompt_sets"] = {**{name: path for name, path in optional.items() if exists(path)},
@@ -379,5 +389,20 @@ def evaluate_settings(config: dict, gpus: int, exists=os.path.exists) -> dict:
     if settings["tensor_parallel_size"] is None and (gpus == 0 or settings["device"] == "cpu"):
         settings["tensor_parallel_size"] = 1
     settings["replay_max_k"] = settings["replay_max_k"] or config["train"]["ttt_steps"]
+    if settings["temperatures"] is None:
+        settings["temperatures"] = default_temperatures(config)
+    defaults = schema_defaults("evaluate")
+    settings = {key: value for key, value in settings.items()
+                if key not in EVALUATE_ONLY_WHEN_SET or value != defaults[key]}
     settings.update(borrowed_values(config, EVALUATE_BORROWED))
     return settings
+
+
+def default_temperatures(config: dict) -> list[float] | None:
+    """evaluate.temperatures left null: greedy, and the temperature the draft's answers were
+    sampled at (regenerate.temperature, where regenerate is on and it is above 0); None
+    where that is greedy alone (the stage's default: a run at it keeps its command line)."""
+    regenerate = config["regenerate"]
+    if regenerate["enabled"] and float(regenerate["temperature"]) > 0:
+        return [0.0, float(regenerate["temperature"])]
+    return None

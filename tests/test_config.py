@@ -156,6 +156,27 @@ def test_evaluate_settings_resolve_prompt_sets_parallelism_and_replay_k():
     assert (settings["tensor_parallel_size"], settings["replay_max_k"]) == (2, 3)
 
 
+def test_evaluate_temperatures_default_to_greedy_and_the_regeneration_temperature():
+    """evaluate.temperatures null: greedy alone (left null: the stage's command line stays as
+    it was) unless the draft's answers were sampled, then that temperature too; a list given
+    is kept; a negative temperature is refused naming the key."""
+    at_defaults = config_lib.evaluate_settings(workflow_config(), gpus=0)
+    assert not set(config_lib.EVALUATE_ONLY_WHEN_SET) & set(at_defaults), \
+        "an evaluation at the defaults keeps its command line"
+    assert section_settings("evaluate", at_defaults)["temperatures"] is None
+    sampled = workflow_config(regenerate={"enabled": True, "temperature": 0.6})
+    assert config_lib.evaluate_settings(sampled, gpus=0)["temperatures"] == [0.0, 0.6]
+    greedy = workflow_config(regenerate={"enabled": True, "temperature": 0.0})
+    assert "temperatures" not in config_lib.evaluate_settings(greedy, gpus=0)
+    listed = workflow_config(regenerate={"enabled": True, "temperature": 0.6},
+                             evaluate={"temperatures": [0, 1.0]})
+    assert config_lib.evaluate_settings(listed, gpus=0)["temperatures"] == [0, 1.0]
+    with pytest.raises(ValueError, match="temperatures"):
+        section_settings("evaluate", {"temperatures": [-0.5]})
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        section_settings("evaluate", {"samples_per_prompt": 1})
+
+
 def test_config_yaml_holds_only_what_a_user_sets():
     """config.yaml repeats no schema default: a key there either changes its default or is
     a path the user fills in (null until then)."""
@@ -175,12 +196,17 @@ def test_train_loss_settings_at_their_defaults_leave_the_trainers_command_and_fi
 
     config = workflow_config()
     assert config["train"]["loss"] == "forward_kl"
-    before = {k: v for k, v in config["train"].items() if k not in config_lib.TRAIN_ONLY_WHEN_SET}
+    before = {k: v for k, v in config["train"].items()
+              if k not in config_lib.TRAIN_ONLY_WHEN_SET + config_lib.TRAIN_PICK_ONLY_WHEN_SET}
     assert config_lib.train_stage_settings(config) == before
     assert config_lib.omit_train_defaults(section_settings("train", {})) == before
     config["train"].update(loss={"nla": 1}, lk_hybrid_eta=3.0, loss_temperature=0.5)
     assert config_lib.train_stage_settings(config) == {**before, "loss": {"nla": 1}, "loss_temperature": 0.5}
     assert not set(config_lib.TRAIN_ONLY_WHEN_SET) & set(NOT_FINGERPRINTED), "they change the trained weights"
+    # The checkpoint pick changes no weight: not fingerprinted, and off the command line at its default.
+    assert set(config_lib.TRAIN_PICK_ONLY_WHEN_SET) <= set(NOT_FINGERPRINTED)
+    config["train"].update(checkpoint_metric="rejection_estimate")
+    assert config_lib.train_stage_settings(config)["checkpoint_metric"] == "rejection_estimate"
 
 
 def test_a_train_loss_without_any_weight_is_refused_when_the_workflow_is_read():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from eagle3flow.eval.replay import replay_greedy_speculation
@@ -68,3 +69,47 @@ def test_spans_match_a_row_by_row_scan_on_random_batches():
                 else:
                     t += 1
         assert masked_spans(cu, mask) == want, (lengths, mask.tolist())
+
+
+def test_rejection_walk_is_the_decode_walk_where_alpha_is_0_or_1():
+    """train.checkpoint_metric rejection_estimate walks speculative sampling in expectation
+    over the same spans; with every step's acceptance 0 or 1 it is greedy's walk exactly."""
+    from eagle3flow.train.eval_split import rejection_walk
+
+    rng = random.Random(1)
+    for trial in range(100):
+        total, k = rng.randint(4, 40), rng.randint(1, 5)
+        ids = [rng.randint(0, 3) for _ in range(total)]
+        chains = [[rng.randint(0, 3) for _ in range(k)] for _ in range(total)]
+        mask = torch.tensor([rng.random() < 0.8 for _ in range(total)], dtype=torch.long)
+        spans = masked_spans(torch.tensor([0, total // 2, total]), mask)
+        run = [0] * total
+        alpha = [[0.0] * k for _ in range(total)]
+        for s, e in spans:     # hits inside each span only, as the scored mask makes them
+            for t in range(s, e):
+                for j in range(k):
+                    alpha[t][j] = float(t + 2 + j < e and chains[t][j] == ids[t + 2 + j])
+                run[t] = next((j for j in range(k) if not alpha[t][j]), k)
+        assert rejection_walk(alpha, spans) == pytest.approx(decode_walk(run, spans)), trial
+
+
+def test_rejection_estimate_on_the_split_tends_to_the_decode_walk_as_t_goes_to_0(random_llama_target, tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle3flow.extract.shards import load_manifest
+    from eagle3flow.train.build import build_draft
+    from eagle3flow.train.eval_split import evaluate_split
+    from support.builders import make_hidden_states, make_vocab_map
+
+    manifest = make_hidden_states(random_llama_target, tmp_path / "hs", 4, seed=1)
+    maps = load_file(str(make_vocab_map(manifest, 512, 200, tmp_path / "vocab_map.safetensors")))
+    model, head = build_draft(random_llama_target, load_manifest(manifest).aux_layer_ids, maps["d2t"],
+                              maps["t2d"], {}, 0)
+    cold = evaluate_split(model, manifest, 3, teacher_head=head.float(), temperature=1e-4)
+    # An untrained draft: both walks find nothing to accept (the exact agreement where
+    # something is accepted is the test above, on known hits).
+    assert cold["rejection_temperature"] == 1e-4
+    assert cold["rejection_acceptance_length"]["3"] == pytest.approx(cold["decode_acceptance_length"]["3"], abs=1e-3)
+    hot = evaluate_split(model, manifest, 3, teacher_head=head.float(), temperature=1.0)
+    assert 1.0 <= hot["rejection_acceptance_length"]["3"] <= 4.0
+    assert "rejection_acceptance_length" not in evaluate_split(model, manifest, 3, teacher_head=head.float())

@@ -251,13 +251,17 @@ def write_eval_split(path: Path, prompts: list[dict], outputs: list[list[int]]) 
 def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     """Both vLLM engines, the replay and the eval split on a random draft whose reduced
     vocab (the target's 4 most frequent greedy tokens) makes it right part of the time:
-    greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly."""
+    greedy outputs stay identical, and the replay reproduces vLLM's rounds exactly. The
+    same two engines also sample at one temperature (no engine start added): vLLM's
+    acceptance there has a bootstrap interval, the offline estimate falls in it, and the
+    answers with and without the draft pass the distributional lossless test."""
     from collections import Counter
 
     from eagle3flow.extract.hf import extract
     from eagle3flow.eval.evaluate import main
 
     num_prompts, max_tokens, k = 6, 24, 3
+    temperature, samples = 0.3, 8
     prompts_file = write_eval_prompts(tmp_path / "eval_prompts.jsonl", num_prompts)
     prompts = render_prompts(prompts_file, chat_target)
     outputs = hf_greedy(chat_target, prompts, max_tokens)
@@ -271,7 +275,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     out = tmp_path / "eval" / "summary.json"
     t0 = time.monotonic()
     summary = evaluate(draft, chat_target, prompts_file, manifest, out, EvalOptions(num_speculative_tokens=k,
-                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu"))
+                       max_tokens=max_tokens, num_prompts=num_prompts, device="cpu",
+                       temperatures=[0, temperature], samples_per_prompt=samples))
     print(f"evaluate end to end: {time.monotonic() - t0:.1f}s")
     assert json.loads(out.read_text())["agreement"] == summary["agreement"]
 
@@ -297,14 +302,39 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert summary["settings"]["replay"]["run"] and summary["settings"]["replay"]["setting"] == "auto"
     assert "fit" in summary["settings"]["replay"]["reason"]
 
+    # At temperature, in the same engines: the greedy keys above are where they were.
+    assert summary["settings"]["temperatures"] == [0.0, temperature]
+    assert summary["settings"]["draft_sample_method"] == "probabilistic"   # vLLM 0.32 has it
+    hot = summary["by_temperature"][repr(temperature)]
+    served, offline, lossless = hot["vllm"], hot["offline"], hot["lossless"]
+    assert served["num_generations"] == num_prompts * samples
+    assert served["num_draft_tokens"] == k * served["num_drafts"] and served["num_accepted_tokens"] > 0
+    assert served["ci_low"] <= served["acceptance_length"] <= served["ci_high"], served
+    assert "bootstrap over prompts" in served["ci_method"]
+    # CI's check: the offline estimate (rejection sampling along the target's own sampled
+    # answers) agrees with vLLM within its interval.
+    assert offline["within_ci"], (offline, served)
+    assert lossless["passed"] and lossless["num_prompts"] == num_prompts, lossless
+    assert lossless["num_samples"] == 2 * num_prompts * samples and "permutation" in lossless["test"]
+    # The CPU build's broken expand kernel was replaced (else answers at temperature collapse
+    # toward the argmax with a draft, which the lossless test above would fail).
+    engine = json.loads((out.parent / "vllm_eagle3.json").read_text())
+    assert engine["cpu_expand_kernel"] == "replaced" and engine["draft_sample_method"] == "probabilistic"
+    assert f"T={temperature:g} vLLM AL" in capsys.readouterr().err      # the summary's lines
+    print(f"T={temperature}: vLLM AL {served['acceptance_length']:.3f} "
+          f"[{served['ci_low']:.3f}, {served['ci_high']:.3f}], offline {offline['acceptance_length']:.3f}, "
+          f"greedy {vllm['acceptance_length']:.3f}, lossless p={lossless['p_value']:.3f}")
+
     # A rerun through the CLI reuses both vLLM runs and every replayed prompt.
     capsys.readouterr()
-    settings = {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu"}
+    settings = {"num_speculative_tokens": k, "max_tokens": max_tokens, "num_prompts": num_prompts, "device": "cpu",
+                "temperatures": [0, temperature], "samples_per_prompt": samples}
     with deadline(120, "a rerun that should start no vLLM engine"):
         main(["--draft", str(draft), "--target", str(chat_target), "--eval-prompts", str(prompts_file),
               "--eval-manifest", str(manifest), "--out", str(out), "--config-json", json.dumps(settings)])
     err = capsys.readouterr().err
     assert err.count("evaluate: reusing") == 2 and "evaluate[replay]" not in err
+    assert "evaluate[estimate" not in err
     assert json.loads(out.read_text())["vllm"] == vllm
 
     # Without the replay (evaluate.replay: false, as auto decides for a target no device
@@ -318,6 +348,8 @@ def test_evaluate_end_to_end_random_draft(chat_target, tmp_path, capsys):
     assert unreplayed["vllm"] == vllm and unreplayed["lossless"] == summary["lossless"]
     assert unreplayed["simulated"] is None and unreplayed["acceptance_length_vs_k"] is None
     assert unreplayed["eval_split"] == summary["eval_split"]
+    unreplayed_hot = unreplayed["by_temperature"][repr(temperature)]
+    assert unreplayed_hot["vllm"] == served and unreplayed_hot["offline"] is None
 
 
 def test_replay_is_skipped_for_a_target_no_device_holds(chat_target, tmp_path):
@@ -465,3 +497,79 @@ def test_unset_tensor_parallelism_takes_the_gpus_the_job_sees(monkeypatch):
     assert job_gpus(torch.device("cpu"), "/opt/vllm-cuda/bin/python") == 8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert job_gpus(torch.device("cuda"), None) == 8
+
+
+# ----------------------------------------------------------------------------- at temperature
+
+def test_acceptance_length_ci_is_a_bootstrap_over_prompts():
+    from eagle3flow.eval.confidence import CI_METHOD, acceptance_length_ci, within
+
+    # Every prompt accepts 1 of 2 drafts: no spread, the interval is the point.
+    flat = acceptance_length_ci([(1, 2)] * 10)
+    assert flat["acceptance_length"] == 1.5 and flat["ci_low"] == flat["ci_high"] == 1.5
+    assert "bootstrap over prompts" in flat["method"] == CI_METHOD or "bootstrap" in CI_METHOD
+    # Half the prompts accept everything, half nothing: the ratio of sums is 1.5, and
+    # the 95% interval is about 1.5 +- 1.96 * sqrt(0.25 / 40) = 1.5 +- 0.155.
+    mixed = acceptance_length_ci([(4, 4), (0, 4)] * 20)
+    assert mixed["acceptance_length"] == 1.5 and mixed["num_prompts"] == 40
+    assert mixed["ci_low"] == pytest.approx(1.345, abs=0.04)
+    assert mixed["ci_high"] == pytest.approx(1.655, abs=0.04)
+    assert within(1.5, mixed) and not within(1.8, mixed) and within(None, mixed) is None
+    # A prompt without a round carries nothing; one informative prompt gives no interval.
+    one = acceptance_length_ci([(2, 4), (0, 0)])
+    assert one["acceptance_length"] == 1.5 and one["ci_low"] is None and one["num_prompts"] == 1
+    with pytest.raises(ValueError, match="confidence"):
+        acceptance_length_ci([(1, 2)], confidence=1.0)
+
+
+def test_offline_estimate_closed_form_on_tiny_distributions():
+    """Per step, acceptance is sum_x min(p, q); a round of K accepts N with
+    P(N >= i) = prod alpha; the walk is the expectation over where rounds start."""
+    from eagle3flow.eval.rejection_estimate import (acceptance_length, expected_acceptance,
+                                                    step_acceptance, tempered)
+
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    assert step_acceptance(p, q).item() == pytest.approx(0.2 + 0.3 + 0.2)
+    assert tempered(torch.tensor([1.0, 3.0]), 0).tolist() == [0.0, 1.0]
+    assert tempered(torch.tensor([0.0, 2.0 * 0.5]), 0.5).tolist() == pytest.approx(
+        torch.softmax(torch.tensor([0.0, 2.0]), 0).tolist())
+
+    # A long answer, alpha = a at every step, K = 2: one round accepts
+    # E[N] = a + a^2; the next round starts N + 1 later.
+    a, total = 0.5, 4
+    walk = expected_acceptance([[a, a]] * total, prompt_len=1, total=total)
+    # Rows: a round at 0 (indices 2, 3 may be accepted), then, from where it left, at 1
+    # (N = 0, p = 1/2) with only index 3 left, or at 2 (N = 1, p = 1/4): no round (past the end).
+    assert walk["rounds"] == pytest.approx(1 + 0.5)
+    assert walk["accepted"] == pytest.approx((a + a * a) + 0.5 * a)
+    assert walk["accepted_per_pos"] == pytest.approx([a + 0.5 * a, a * a])
+    assert acceptance_length([walk]) == pytest.approx(1 + (0.75 + 0.25) / 1.5)
+
+
+def test_offline_estimate_is_the_greedy_replay_where_alpha_is_0_or_1():
+    from eagle3flow.eval.rejection_estimate import expected_acceptance
+
+    ids = [1, 2, 3, 20, 21, 22, 23, 24, 25]
+    chains = chains_from({2: [21, 99, 23], 4: [22, 23, 24], 5: [24, 25, 26]}, len(ids), 3)
+    replay = replay_greedy_speculation(chains, ids, prompt_len=3)
+    # alpha 1 where the draft's guess is the next token, 0 elsewhere.
+    alpha = [[float(t + 2 + j < len(ids) and chains[t, j].item() == ids[t + 2 + j]) for j in range(3)]
+             for t in range(len(ids))]
+    walk = expected_acceptance(alpha, prompt_len=3, total=len(ids))
+    assert walk["rounds"] == replay["rounds"] and walk["accepted"] == replay["accepted"]
+    assert walk["accepted_per_pos"] == replay["accepted_per_pos"]
+
+
+def test_bad_temperature_settings_are_refused_before_anything_loads(tmp_path):
+    """Named by their key, before the draft, the tokenizer or an engine is read (the draft
+    directory here does not even exist)."""
+    prompts = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 1)
+    missing = tmp_path / "no_draft"
+    with pytest.raises(ValueError, match="evaluate.temperatures"):
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json", EvalOptions(temperatures=[0, -0.5]))
+    with pytest.raises(ValueError, match="evaluate.samples_per_prompt"):
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json",
+                 EvalOptions(temperatures=[0.6], samples_per_prompt=1))
+    with pytest.raises(FileNotFoundError):      # greedy alone: those settings are not read
+        evaluate(missing, missing, prompts, None, tmp_path / "s.json", EvalOptions(samples_per_prompt=1))

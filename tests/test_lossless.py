@@ -125,3 +125,73 @@ def test_outputs_without_per_request_metrics_still_evaluate():
     assert unreplayed["vllm"] == r["vllm"] and unreplayed["lossless"] == r["lossless"]
     assert unreplayed["simulated"] is unreplayed["agreement"] is unreplayed["acceptance_length_vs_k"] is None
     assert unreplayed["per_category"]["a"]["replay_acceptance_length"] is None
+
+
+# ----------------------------------------------------------------------------- at temperature
+
+def _answers(rng, probs: list[float], prompts: int, n: int, length: int = 5) -> list[list[list[int]]]:
+    """``prompts`` x ``n`` answers whose tokens are drawn i.i.d. from ``probs``."""
+    import numpy as np
+
+    return [[list(rng.choice(len(probs), size=length, p=np.array(probs))) for _ in range(n)]
+            for _ in range(prompts)]
+
+
+def test_distribution_test_false_alarm_rate_and_power_on_synthetic_samples():
+    """Same distribution with and without the draft: flagged at most about alpha of the
+    time. A draft that moves 20% of the mass (TV 0.2 per position) is caught at least 4 times in 5
+    at the evaluation's default size (32 prompts x 8 samples, evaluate.samples_per_prompt)."""
+    import numpy as np
+
+    from eagle3flow.eval.distribution_test import distribution_test
+
+    rng = np.random.default_rng(0)
+    same = [0.5, 0.3, 0.15, 0.05]
+    trials, alpha = 100, 0.05
+    alarms = sum(not distribution_test(_answers(rng, same, 32, 4), _answers(rng, same, 32, 4),
+                                       false_alarm_rate=alpha, permutations=199, seed=i)["passed"]
+                 for i in range(trials))
+    # Binomial(100, 0.05): 12 or more alarms has probability < 0.5%.
+    assert alarms <= 12, alarms
+    moved = [0.3, 0.3, 0.15, 0.25]
+    caught = sum(not distribution_test(_answers(rng, same, 32, 8), _answers(rng, moved, 32, 8),
+                                       false_alarm_rate=0.01, permutations=199, seed=i)["passed"]
+                 for i in range(20))
+    assert caught >= 16, caught      # power >= 0.8 at alpha 0.01
+
+
+def test_distribution_test_counts_an_ended_answer_and_names_itself():
+    from eagle3flow.eval.distribution_test import TEST_NAME, distribution_test
+
+    # Every answer without the draft has 3 tokens; every one with it ends after 1.
+    result = distribution_test([[[1, 2, 3]] * 8] * 6, [[[1]] * 8] * 6, positions=3,
+                               false_alarm_rate=0.01, permutations=199)
+    assert not result["passed"] and result["p_value"] == pytest.approx(1 / 200)
+    assert result["statistic"] == pytest.approx(6 * 2 * 2)   # squared L2 2 at positions 1, 2
+    # Position 0 (the prefill's token) is not compared: it is the same with either seed.
+    assert distribution_test([[[1, 5]] * 4] * 3, [[[2, 5]] * 4] * 3)["statistic"] == pytest.approx(0)
+    assert result["test"] == TEST_NAME and result["num_samples"] == 96
+    same = distribution_test([[[1, 2]] * 4] * 3, [[[1, 2]] * 4] * 3)
+    assert same["passed"] and same["statistic"] == pytest.approx(0) and same["p_value"] == 1.0
+    nothing = distribution_test([[]], [[]])
+    assert not nothing["passed"] and nothing["p_value"] is None     # nothing compared: no pass
+    with pytest.raises(ValueError, match="false_alarm_rate"):
+        distribution_test([[[1]]], [[[1]]], false_alarm_rate=0)
+
+
+def test_cpu_expand_kernel_fix_probes_before_it_replaces():
+    """The CPU build's expand kernel (the per-request temperature of the rejection sampler)
+    is replaced only where it leaves a float output unwritten; the replacement expands."""
+    pytest.importorskip("vllm")
+    from eagle3flow.serving.vllm_cpu_fixes import _expand_in_torch, expand_kernel_is_broken
+
+    assert not expand_kernel_is_broken(_expand_in_torch)
+    out = torch.zeros(5)
+    _expand_in_torch(out, torch.tensor([0.7, 0.0]), torch.tensor([2, 5]), 0, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0])   # greedy (0) read as 1
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        import vllm._C  # noqa: F401
+        from vllm.utils import cpu_triton_utils
+        # vLLM 0.32's: a later vLLM that fixes it makes this fail, and the fix can go.
+        assert expand_kernel_is_broken(cpu_triton_utils._expand_kernel_impl)

@@ -39,6 +39,24 @@ def test_card_has_hub_metadata_serving_lines_and_the_evaluation(random_llama_tar
     dataset["regenerated"]["more_answers"] = {"samples": 1800}
     card = render(tmp_path / "draft", summary(), vocab, dataset, None, "t")
     assert "(948 regenerated, and 1,800 further answers to training prompts)" in card
+    assert "per sampling temperature" not in card          # greedy alone: no such table
+
+
+def test_card_shows_acceptance_per_temperature_beside_greedy(random_llama_target, tmp_path):
+    export_untrained_draft(random_llama_target, tmp_path)
+    hot = {"vllm": {"acceptance_length": 1.8, "ci_low": 1.7, "ci_high": 1.9, "ci_method": "bootstrap"},
+           "offline": {"acceptance_length": 1.85, "within_ci": True},
+           "lossless": {"passed": True, "p_value": 0.42, "test": "permutation"}}
+    recorded = summary()
+    recorded["settings"].update(samples_per_prompt=8, confidence=0.95, lossless_positions=4,
+                                lossless_false_alarm_rate=0.01, draft_sample_method="probabilistic",
+                                draft_sample_note="vLLM's")
+    recorded["by_temperature"] = {"0.6": {"temperature": 0.6, "vllm": hot["vllm"], "lossless": hot["lossless"],
+                                          "results": {"eval": {"draft": hot}, "mt_bench": {"draft": hot}}}}
+    card = render(tmp_path / "draft", recorded, {"coverage": 0.9}, None, None, "t")
+    assert "| eval | greedy | 2.200 |  | 2.210 | pass |" in card
+    assert "| eval | 0.6 | 1.800 | 1.700 - 1.900 | 1.850 (in interval) | pass (p = 0.420) |" in card
+    assert "sampled 8 times with and without the draft" in card
 
 
 def test_a_draft_sglang_cannot_serve_gets_no_sglang_command(random_llama_target, tmp_path):

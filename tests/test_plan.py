@@ -316,6 +316,21 @@ def test_evaluation_loads_follow_the_engines_and_the_replay():
     assert plan_lib.evaluation_target_loads({**evaluate, "replay": True}, kimi_params)[0] == 3
 
 
+def test_evaluation_bytes_count_the_answers_sampled_at_temperature(tmp_path):
+    """evaluate.temperatures above 0: every prompt sampled samples_per_prompt times in the
+    baseline and the draft's engine (regenerate.temperature counts where left null)."""
+    greedy = stage_row(plan_lib.project(resolved_config(), tmp_path), "evaluate")
+    hot = stage_row(plan_lib.project(resolved_config(evaluate={"temperatures": [0, 0.6, 1.0],
+                                                               "samples_per_prompt": 4}), tmp_path), "evaluate")
+    n = resolved_config()["evaluate"]["num_prompts"]
+    per_answer = resolved_config()["evaluate"]["max_tokens"] * 12 + 2000
+    assert hot.bytes - greedy.bytes == n * 4 * 2 * 2 * per_answer
+    assert f"{n * 4 * 2 * 2:,} sampled answers at temperature" in hot.bytes_basis
+    regenerated = resolved_config(regenerate={"enabled": True, "temperature": 0.6,
+                                              "base_url": "http://127.0.0.1:8000/v1"})
+    assert plan_lib.sampled_generations(regenerated, n) == n * 8 * 1 * 2
+
+
 def test_backend_auto_is_vllm_on_a_multi_gpu_node_and_projected_so(tmp_path):
     node = resolved_config(resources={"gpus": 8})
     assert node["extract"]["backend"] == "auto" and plan_lib.extract_backend(node) == "vllm"

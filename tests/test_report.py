@@ -47,6 +47,16 @@ def fake_stage_outputs(root: Path, downtime: list | None = None) -> dict:
                                         "speedup": 1.4, "lossless": True}}},
         "eval_split": {"step_accuracy": [0.7, 0.6, 0.5]},
     }
+    summary["settings"].update(samples_per_prompt=8, confidence=0.95, lossless_positions=4,
+                               lossless_false_alarm_rate=0.01, draft_sample_method="probabilistic",
+                               draft_sample_note="vLLM's", temperatures=[0.0, 0.6])
+    hot = lambda al, passed: {  # noqa: E731
+        "vllm": {"acceptance_length": al, "ci_low": al - 0.1, "ci_high": al + 0.1,
+                 "ci_method": "percentile bootstrap over prompts"},
+        "offline": {"acceptance_length": al + 0.05, "within_ci": True},
+        "lossless": {"passed": passed, "p_value": 0.4 if passed else 0.001, "test": "permutation"}}
+    summary["by_temperature"] = {"0.6": {"temperature": 0.6, "samples_per_prompt": 8,
+                                         "results": {"eval": {"draft": hot(1.6, True), "old": hot(1.4, False)}}}}
     paths = {"eval_summary": root / "eval" / "summary.json", "train_metrics": root / "train" / "metrics.jsonl",
              "vocab_stats": root / "vocab" / "stats.json", "dataset_stats": root / "dataset" / "stats.json",
              "manifests": [root / "hidden_states" / s / "manifest.json" for s in ("train", "eval")]}
@@ -94,6 +104,12 @@ def test_build_report_writes_figures_tables_and_json(tmp_path):
     assert 'data-set="eval" data-draft="draft"' in table and 'data-set="eval" data-draft="old"' in table
     assert "1/4 differ" in table and "1.50x" in table
     assert 'id="vllm-k-sweep"' in page and 'id="acceptance-vs-k"' in page
+    # Acceptance per temperature beside greedy, every draft, with its interval and checks.
+    hot = page.split('id="by-temperature"')[1].split("</table>")[0]
+    assert hot.count("<tr data-set=") == 4                     # 2 drafts x (greedy, 0.6)
+    assert 'data-draft="draft" data-temperature="0"' in hot and 'data-draft="draft" data-temperature="0.6"' in hot
+    assert "1.500 &ndash; 1.700" in hot and "1.650 (in interval)" in hot and "FAIL (p = 0.001)" in hot
+    assert "percentile bootstrap over prompts" in page
     run = (out / "run.html").read_text()
     assert f'<p id="service-downtime">{NO_DOWNTIME}</p>' in run
     assert "num_speculative_tokens: 3" in run

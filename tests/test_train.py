@@ -78,6 +78,28 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path, capfd):
     assert [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] == rows
 
 
+def test_checkpoints_can_be_picked_by_the_rejection_estimate_at_temperature(train_inputs, tmp_path):
+    """train.checkpoint_metric rejection_estimate: the best checkpoint is the one with the
+    highest expected acceptance under rejection sampling at checkpoint_temperature, and
+    best.json says so; the run's cache key is the default's (only the pick changed)."""
+    from eagle3flow.train.checkpoint import fingerprint
+    from eagle3flow.extract.shards import load_manifest
+
+    config = {**TRAIN_CONFIG, "checkpoint_metric": "rejection_estimate", "checkpoint_temperature": 0.6}
+    out = tmp_path / "train"
+    train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
+          tmp_path / "cache", config)
+    ev = json.loads((out / "eval.json").read_text())
+    best = ev["best_checkpoint"]
+    assert best["metric"] == "rejection_estimate" and best["temperature"] == 0.6
+    assert 1.0 <= best["acceptance_length"] <= 4.0
+    run_dir = next((tmp_path / "cache").iterdir())
+    assert json.loads((run_dir / "best.json").read_text())["metric"] == "rejection_estimate"
+    manifest = load_manifest(train_inputs["train"])
+    assert fingerprint(manifest, train_inputs["vocab"], train_inputs["target"], section_settings("train", config)) \
+        == fingerprint(manifest, train_inputs["vocab"], train_inputs["target"], section_settings("train", TRAIN_CONFIG))
+
+
 # The trainer CLI whose second checkpoint is held once its bytes are in the temporary
 # folder, before it is synced and renamed: the signal lands mid-write.
 HELD_IN_SECOND_CHECKPOINT_WRITE = """

@@ -19,7 +19,14 @@ Four measurements, all written to ``summary.json`` (docs/formats.md, Evaluation)
    ``agreement = simulated / vLLM``.
 3. Teacher-forced per-step accuracy and simulated acceptance on the eval split
    (eagle3flow/train/eval_split.py on the eval manifest).
-4. The same for more prompt sets (MT-bench question files, answered turn by turn, or
+4. At each sampling temperature of ``evaluate.temperatures`` (the same engines, sampled
+   after the greedy run; eagle3flow/eval/at_temperature.py): vLLM's acceptance length with a
+   bootstrap interval over prompts, losslessness as a distributional test (the answers'
+   leading tokens with and without the draft, same prompts and seeds), and, where the
+   replay runs, the offline estimate of acceptance under rejection sampling along the
+   target's own sampled answers (replay.estimate_at_temperature), checked against that
+   interval. Under ``summary.json``'s ``by_temperature``; the greedy keys stay as they were.
+5. The same for more prompt sets (MT-bench question files, answered turn by turn, or
    any ``{"id", "messages"}`` file, per category: eagle3flow/eval/prompt_sets.py) and more drafts side by side (one
    vLLM engine per draft, all on the same baseline outputs), and the replayed
    acceptance length for every K up to the draft's TTT steps from the one baseline run
@@ -46,11 +53,12 @@ from eagle3flow.export.load import load_exported_draft
 from eagle3flow.atomic import write_json
 from eagle3flow.config import EVALUATE_BORROWED, cli_settings, schema_defaults
 from eagle3flow.eval.aggregate import generation_units, set_result, vllm_acceptance
+from eagle3flow.eval.at_temperature import temperature_key, temperature_row
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
 from eagle3flow.eval.prompt_sets import load_prompt_set, longest_context
-from eagle3flow.eval.replay import (REPLAY_VERSION, read_draft_config, replay_decision, resolve_precision,
-                                    simulate_on_outputs)
+from eagle3flow.eval.replay import (REPLAY_VERSION, estimate_at_temperature, read_draft_config,
+                                    replay_decision, resolve_precision, simulate_on_outputs)
 from eagle3flow.progress import Progress
 from eagle3flow.target.remote_code import check_remote_code
 from eagle3flow.target.tokenizer import load_tokenizer
@@ -73,6 +81,10 @@ class EvalOptions:
     Ks every draft is served at (one engine each). ``agreement_tolerance``: how far
     simulated / vLLM acceptance may be from 1. ``eval_split_max_tokens`` caps the eval
     split's step accuracy. ``replay``: auto / true / false (:func:`replay_decision`).
+    ``temperatures``: the sampling temperatures measured besides greedy (None: greedy
+    alone), ``samples_per_prompt`` answers a prompt each, seeded from ``sample_seed``;
+    ``confidence``, ``lossless_positions``, ``lossless_false_alarm_rate``: their interval and
+    lossless test (measurement 4).
     """
     num_speculative_tokens: int = EVAL_DEFAULTS["num_speculative_tokens"]
     max_tokens: int = EVAL_DEFAULTS["max_tokens"]
@@ -93,6 +105,12 @@ class EvalOptions:
     replay_max_k: int | None = EVAL_DEFAULTS["replay_max_k"]
     vllm_sweep_k: list = field(default_factory=list)
     replay: str | bool = EVAL_DEFAULTS["replay"]
+    temperatures: list | None = EVAL_DEFAULTS["temperatures"]
+    samples_per_prompt: int = EVAL_DEFAULTS["samples_per_prompt"]
+    sample_seed: int = EVAL_DEFAULTS["sample_seed"]
+    confidence: float = EVAL_DEFAULTS["confidence"]
+    lossless_positions: int = EVAL_DEFAULTS["lossless_positions"]
+    lossless_false_alarm_rate: float = EVAL_DEFAULTS["lossless_false_alarm_rate"]
 
 
 def job_gpus(torch_device: torch.device, vllm_python: str | None) -> int:
@@ -132,6 +150,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not Path(eval_prompts_jsonl).is_file():
         raise FileNotFoundError(f"{eval_prompts_jsonl}: eval prompts file missing")
+    sampled = sampled_temperatures(o)
     max_k = max(k, int(o.replay_max_k or k))
     sweep = sorted({int(x) for x in (o.vllm_sweep_k or [])})
     if any(x < 1 for x in sweep):
@@ -179,12 +198,21 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "target_stamp": dir_stamp(target_path),   # only for the fingerprint
         # Only when set: the runs cached before the key existed keep their fingerprints.
         **({"trust_remote_code": True} if trust_remote_code else {}),
+        # The sampled runs, in the same engines; only when asked for (as above).
+        **({"temperatures": sampled, "samples_per_prompt": int(o.samples_per_prompt),
+            "sample_seed": int(o.sample_seed)} if sampled else {}),
     }
 
     def spec_request(path: Path, num_tokens: int) -> dict:
-        return dict(base_request, speculative_config={
+        request = dict(base_request, speculative_config={
             "method": "eagle3", "model": str(Path(path).resolve()),
             "num_speculative_tokens": int(num_tokens)}, draft_stamp=dir_stamp(path))
+        if not sampled:
+            return request
+        if num_tokens != k:     # the K sweep stays greedy: one sampled K is what is reported
+            return {key: v for key, v in request.items()
+                    if key not in ("temperatures", "samples_per_prompt", "sample_seed")}
+        return dict(request, probabilistic_draft=True)
 
     def run_name(name: str, num_tokens: int) -> str:
         base = "vllm_eagle3" if name == draft_name else f"vllm_eagle3_{safe_name(name)}"
@@ -209,6 +237,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     units = generation_units(sets, baseline)
     loaded: dict = {}
     by_draft = {name: None for name in drafts}
+    walks = {(name, t): None for name in drafts for t in sampled}   # the offline estimates
     replay = replay_decision(o.replay, target_path, o.device, o.dtype)
     print(f"evaluate: replay {'runs' if replay['run'] else 'skipped'}: {replay['reason']}",
           file=sys.stderr, flush=True)
@@ -222,6 +251,18 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
                                              label=f"replay {name}", trust_remote_code=trust_remote_code)
+        # The draft proposes as the engine let it: sampled at the temperature, or its argmax.
+        probabilistic = results[run_name(name, k)].get("draft_sample_method") == "probabilistic"
+        for t, run in zip(sampled, baseline.get("temperature_runs") or []):
+            draft_t = t if probabilistic else 0.0
+            estimate_key = fingerprint([REPLAY_VERSION, "temperature", t, draft_t, baseline["request_fingerprint"],
+                                        dir_stamp(path), k, dtype_name, torch_device.type])
+            estimate_file = (f"estimate_t{t:g}.jsonl" if name == draft_name
+                             else f"estimate_t{t:g}_{safe_name(name)}.jsonl")
+            walks[(name, t)] = {unit: row["by_k"][str(k)] for unit, row in estimate_at_temperature(
+                path, target_path, sampled_units(run), k, t, o.device, o.dtype, out_dir / estimate_file,
+                estimate_key, loaded, label=f"estimate {name} T={t:g}",
+                trust_remote_code=trust_remote_code, draft_temperature=draft_t).items()}
     serving_dtype = baseline["dtype"]
 
     per_set: dict[str, dict] = {}
@@ -232,6 +273,9 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             per_set[s["name"]][name] = set_result(s, base_sets[s["name"]],
                                                   spec_sets[s["name"]], by_draft[name], k,
                                                   max_k, o.agreement_tolerance, serving_dtype)
+    by_temperature = temperature_results(sets, drafts, sampled, baseline,
+                                         {name: results[run_name(name, k)] for name in drafts},
+                                         walks, draft_name, o)
     k_sweep_by_draft = vllm_k_sweep(sets, drafts, sweep, base_sets,
                                     {(name, x): results[run_name(name, x)] for name in drafts for x in sweep},
                                     serving_dtype)
@@ -257,6 +301,12 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "eval_manifest": str(eval_manifest) if eval_manifest is not None else None,
             "aux_layer_ids": draft_configs[draft_name]["eagle_aux_hidden_state_layer_ids"],
             "replay": replay,
+            "temperatures": [0.0] + sampled,
+            **({"samples_per_prompt": int(o.samples_per_prompt), "sample_seed": int(o.sample_seed),
+                "confidence": float(o.confidence), "lossless_positions": int(o.lossless_positions),
+                "lossless_false_alarm_rate": float(o.lossless_false_alarm_rate),
+                "draft_sample_method": speculative.get("draft_sample_method"),
+                "draft_sample_note": speculative.get("draft_sample_note")} if sampled else {}),
         },
         "main_draft": draft_name,
         "drafts": {name: str(path) for name, path in drafts.items()},
@@ -283,11 +333,64 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "round_agreement": main["round_agreement"],
         "eval_split": eval_split,
         "per_prompt": main["per_prompt"],
+        # Acceptance at each sampling temperature (measurement 4); greedy is the keys above.
+        "by_temperature": by_temperature,
         "elapsed_s": time.monotonic() - t_start,
     }
     write_json(out_json, summary)
     print(format_summary(summary), file=sys.stderr, flush=True)
     return summary
+
+
+def sampled_temperatures(o: EvalOptions) -> list[float]:
+    """The temperatures sampled besides greedy (0 always runs: it is the greedy run), sorted,
+    each once; a bad one refused naming its key, before anything loads."""
+    temperatures = o.temperatures if o.temperatures is not None else []
+    if not isinstance(temperatures, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in temperatures):
+        raise ValueError(f"evaluate.temperatures: expected a list of numbers >= 0, got {temperatures!r}")
+    sampled = sorted({float(t) for t in temperatures if t > 0})
+    if sampled and int(o.samples_per_prompt) < 2:
+        raise ValueError(f"evaluate.samples_per_prompt: the lossless test at temperature needs "
+                         f">= 2 answers a prompt, got {o.samples_per_prompt}")
+    if sampled and int(o.lossless_positions) < 1:
+        raise ValueError(f"evaluate.lossless_positions: must be >= 1, got {o.lossless_positions}")
+    return sampled
+
+
+def sampled_units(run: dict) -> list[dict]:
+    """One sampled run's answers (every set) as the offline estimate takes them."""
+    return [{"key": f"{s['name']}/{out['id']}#{out['sample']}", "prompt_token_ids": out["prompt_token_ids"],
+             "output_token_ids": out["output_token_ids"]} for s in run["sets"] for out in s["outputs"]]
+
+
+def temperature_results(sets: list[dict], drafts: dict, sampled: list[float], baseline: dict,
+                        speculative: dict, walks: dict, draft_name: str, o: EvalOptions) -> dict:
+    """``by_temperature``: per temperature, every draft on every set (at_temperature.py), and
+    the main draft on ``eval`` at the top of each (as the greedy keys are)."""
+    out = {}
+    for i, t in enumerate(sampled):
+        base_sets = {x["name"]: x for x in baseline["temperature_runs"][i]["sets"]}
+        results: dict = {}
+        for s in sets:
+            results[s["name"]] = {}
+            for name in drafts:
+                spec_sets = {x["name"]: x for x in speculative[name]["temperature_runs"][i]["sets"]}
+                set_walks = None
+                if walks[(name, t)] is not None:
+                    prefix = s["name"] + "/"
+                    set_walks = {unit[len(prefix):]: walk for unit, walk in walks[(name, t)].items()
+                                 if unit.startswith(prefix)}
+                results[s["name"]][name] = temperature_row(base_sets[s["name"]], spec_sets[s["name"]],
+                                                           set_walks, o)
+        main = results["eval"][draft_name]
+        out[temperature_key(t)] = {
+            "temperature": t, "samples_per_prompt": int(o.samples_per_prompt),
+            "draft_sample_method": speculative[draft_name].get("draft_sample_method"),
+            "vllm": main["vllm"], "lossless": main["lossless"], "offline": main["offline"],
+            "results": results,
+        }
+    return out
 
 
 def vllm_k_sweep(sets: list[dict], drafts: dict, sweep: list[int], base_sets: dict, runs: dict,
@@ -350,6 +453,14 @@ def format_summary(s: dict) -> str:
                          f"  replay AL {_fmt((r['simulated'] or {}).get('acceptance_length'))}"
                          f"  speedup {_fmt(r['vllm']['speedup'], '.2f')}x"
                          f"  lossless {lossless_text(r['lossless'])}")
+    for row in (s.get("by_temperature") or {}).values():
+        v, off, loss = row["vllm"], row["offline"], row["lossless"]
+        lines.append(f"  T={row['temperature']:g} vLLM AL {_fmt(v['acceptance_length'])} "
+                     f"[{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] ({v['confidence']:.0%} CI, "
+                     f"{row['samples_per_prompt']} samples a prompt, draft {row['draft_sample_method']})"
+                     f"  offline {_fmt((off or {}).get('acceptance_length'))}"
+                     f"{'' if not off else (' in CI' if off['within_ci'] else ' OUTSIDE CI')}"
+                     f"  lossless {'PASS' if loss['passed'] else 'FAIL'} (p={_fmt(loss['p_value'])})")
     if s.get("eval_split"):
         e = s["eval_split"]
         lines.append(f"  eval split step accuracy [{', '.join(_fmt(a) for a in e['step_accuracy'])}], "

@@ -1,5 +1,7 @@
 """Greedy speculative decoding replayed on known greedy outputs: the simulated acceptance
-that must agree with vLLM's own (eagle3flow/eval/evaluate.py, measurement 2).
+that must agree with vLLM's own (eagle3flow/eval/evaluate.py, measurement 2). Beside it,
+at each sampling temperature, the offline estimate of acceptance along the target's own
+sampled answers (:func:`estimate_at_temperature`, eagle3flow/eval/rejection_estimate.py).
 
 The HF target captures the aux states of ``prompt + output``, the draft predicts its
 chains (``Eagle3Draft.predict_chains``) and :func:`replay_greedy_speculation` replays
@@ -18,6 +20,7 @@ from eagle3flow.export.load import load_exported_draft
 from eagle3flow.device import resolve_device
 from eagle3flow.extract.extraction import resolve_dtype
 from eagle3flow.extract.hf import capture, load_target
+from eagle3flow.eval.rejection_estimate import expected_acceptance, step_acceptance, tempered
 from eagle3flow.progress import Progress
 from eagle3flow.target.files import loaded_weight_bytes
 
@@ -192,6 +195,77 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
                 row = {"id": unit["key"], "fingerprint": key, "by_k": {
                     str(k): replay_greedy_speculation(chains[:, :k], ids,
                                                       len(unit["prompt_token_ids"]))
+                    for k in range(1, max_k + 1)}}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                done[unit["key"]] = row
+                progress.update(1)
+        progress.close()
+    return {u["key"]: done[u["key"]] for u in units}
+
+
+def temperature_alpha(target, draft, aux_layer_ids: list[int], ids: list[int], max_k: int,
+                      temperature: float, device, draft_temperature: float | None = None) -> list[list[float]]:
+    """Per row ``t`` and step ``j`` of one answer, ``sum_x min(p, q)``: ``p`` the target's
+    distribution for index ``t + 2 + j`` at ``temperature`` (its logits at row ``t + 1 + j``),
+    ``q`` the draft's step ``j`` from row ``t`` at ``draft_temperature`` (default: the same;
+    vLLM's probabilistic draft sampling tempers the draft's logits with the request's
+    temperature; 0 where the draft proposes its argmax, which the rejection sampler then
+    takes as a one-hot proposal: ``alpha = p(argmax q)``), over the
+    draft's vocabulary mapped to target ids (the target's mass outside it is never
+    proposed). The draft's later steps are fed the answer's own tokens (teacher forcing):
+    where a step is accepted, the token it proposed is the answer's next one."""
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    aux, last = capture(target, input_ids, torch.ones_like(input_ids), aux_layer_ids)
+    with torch.no_grad():
+        p = tempered(target.lm_head(last[0]), temperature)                 # [T, V]
+        cu = torch.tensor([0, len(ids)], device=device)
+        logits, _ = draft.forward_ttt(aux[0], input_ids[0], cu, max_k)
+    total = len(ids)
+    alpha = torch.zeros(total, max_k)
+    draft_targets = draft.draft_to_target(torch.arange(draft.d2t.numel(), device=device))
+    for j, step_logits in enumerate(logits):
+        q = tempered(step_logits, temperature if draft_temperature is None else draft_temperature)
+        rows = total - 1 - j           # rows t with a target distribution at row t + 1 + j
+        if rows <= 0:
+            break
+        p_at = p[1 + j:1 + j + rows][:, draft_targets]                      # [rows, Vd]
+        alpha[:rows, j] = step_acceptance(p_at, q[:rows].to(p_at.dtype)).cpu()
+    return alpha.tolist()
+
+
+def estimate_at_temperature(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
+                            temperature: float, device: str, dtype: str, estimate_path: Path,
+                            key: str, loaded: dict, label: str = "estimate",
+                            trust_remote_code: bool = False,
+                            draft_temperature: float | None = None) -> dict[str, dict]:
+    """The offline estimate of acceptance at ``temperature`` on each of the target's sampled
+    answers (``units``: ``[{"key", "prompt_token_ids", "output_token_ids"}]``): per answer,
+    the expected walk (rejection_estimate.expected_acceptance) for every K in
+    ``1..max_k``; ``draft_temperature``: as in :func:`temperature_alpha`. Kept in
+    ``estimate_path`` by ``key`` like the replay (resume). Returns
+    ``{unit key: {"by_k": {"K": walk}}}``."""
+    done = load_replays(estimate_path, key)
+    todo = [u for u in units if u["key"] not in done]
+    if todo:
+        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
+        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
+        target_key = (str(target_path), str(torch_dtype), str(torch_device))
+        if target_key not in loaded:
+            loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
+        target = loaded[target_key]
+        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
+                                    device=torch_device).eval()
+        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
+                            done=len(done))
+        with open(estimate_path, "a") as f:
+            for unit in todo:
+                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
+                alpha = temperature_alpha(target, draft, aux_layer_ids, ids, max_k, temperature,
+                                          torch_device, draft_temperature)
+                row = {"id": unit["key"], "fingerprint": key, "by_k": {
+                    str(k): expected_acceptance([a[:k] for a in alpha], len(unit["prompt_token_ids"]),
+                                                len(ids))
                     for k in range(1, max_k + 1)}}
                 f.write(json.dumps(row) + "\n")
                 f.flush()

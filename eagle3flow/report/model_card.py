@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from eagle3flow.atomic import write_text
 from eagle3flow.config import MODEL_CARD_BORROWED, cli_settings
+from eagle3flow.eval.temperature_table import temperature_note, temperature_rows
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 from eagle3flow.layers import to_layer_outputs
 from eagle3flow.export.sglang_contract import sglang_problems
@@ -76,12 +77,32 @@ def evaluation_lines(summary: dict) -> list[str]:
                          for name, by_draft in summary["results"].items()])
     else:
         lines += ["", f"The replay did not run ({replay['reason']}; `evaluate.replay`)."]
+    lines += temperature_lines(summary)
     sweep = (summary.get("vllm_k_sweep_by_draft") or {})
     served = [[name, str(x), _num(v["acceptance_length"])] for name, by_draft in sweep.items()
               for x, v in sorted((by_draft.get(main) or {}).items(), key=lambda i: int(i[0]))]
     if served:
         lines += ["", "vLLM itself at more K:", ""] + _table(["prompt set", "K", "acceptance length"], served)
     return lines
+
+
+def temperature_lines(summary: dict) -> list[str]:
+    """Acceptance per temperature beside greedy (main draft), where the run sampled any."""
+    note = temperature_note(summary)
+    if note is None:
+        return []
+    main, k = summary["main_draft"], summary["settings"]["num_speculative_tokens"]
+    rows = [[r["set"], "greedy" if r["temperature"] == 0 else f"{r['temperature']:g}",
+             _num(r["acceptance_length"]),
+             "" if r["ci_low"] is None else f"{_num(r['ci_low'])} - {_num(r['ci_high'])}",
+             _num(r["offline"]) + ("" if r["offline_within_ci"] is None
+                                   else (" (in interval)" if r["offline_within_ci"] else " (OUTSIDE interval)")),
+             ("pass" if r["lossless_passed"] else "FAIL")
+             + ("" if r["lossless_p_value"] is None else f" (p = {r['lossless_p_value']:.3f})")]
+            for r in temperature_rows(summary) if r["draft"] == main]
+    return ["", f"Acceptance per sampling temperature (vLLM, K={k}):", ""] + _table(
+        ["prompt set", "temperature", "acceptance length", "interval", "offline estimate",
+         "lossless"], rows) + ["", note]
 
 
 def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | None, train_eval: dict | None,

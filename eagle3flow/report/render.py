@@ -31,6 +31,7 @@ import yaml
 
 from eagle3flow.report import plots
 from eagle3flow.atomic import write_json
+from eagle3flow.eval.temperature_table import temperature_note, temperature_rows
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 
 FIGURES = {
@@ -147,6 +148,33 @@ def _lossless(lossless: dict) -> str:
     return f'<span class="{"pass" if lossless["passed"] else "fail"}">{_e(lossless_cell(lossless))}</span>'
 
 
+def temperature_html(summary: dict) -> list[str]:
+    """Acceptance per sampling temperature beside greedy, every draft and set (none where
+    the run sampled at no temperature)."""
+    note = temperature_note(summary)
+    if note is None:
+        return []
+    rows, attrs = [], []
+    for r in temperature_rows(summary):
+        inside = r["offline_within_ci"]
+        p_value = "" if r["lossless_p_value"] is None else f" (p = {r['lossless_p_value']:.3f})"
+        rows.append([_e(r["set"]), _e(r["draft"]),
+                     "greedy" if r["temperature"] == 0 else _e(f"{r['temperature']:g}"),
+                     _num(r["acceptance_length"]),
+                     "" if r["ci_low"] is None else f"{_num(r['ci_low'])} &ndash; {_num(r['ci_high'])}",
+                     _num(r["offline"]) + ("" if inside is None else
+                                           (" (in interval)" if inside else ' <span class="fail">(outside interval)</span>')),
+                     f'<span class="{"pass" if r["lossless_passed"] else "fail"}">'
+                     f'{"pass" if r["lossless_passed"] else "FAIL"}{p_value}</span>'])
+        attrs.append(f'data-set="{_e(r["set"])}" data-draft="{_e(r["draft"])}" '
+                     f'data-temperature="{r["temperature"]:g}"')
+    return [f"<h3>Acceptance per sampling temperature (vLLM, K = {summary['settings']['num_speculative_tokens']})</h3>",
+            _table(["prompt set", "draft", "temperature", "acceptance length (vLLM)", "interval",
+                    "offline estimate", "lossless"], rows, left=3, attrs=attrs,
+                   table_id="by-temperature"),
+            f"<p>{_e(note)}</p>"]
+
+
 def evaluation_html(summary: dict) -> str:
     settings = summary["settings"]
     k = settings["num_speculative_tokens"]
@@ -195,6 +223,8 @@ def evaluation_html(summary: dict) -> str:
                      f"({src['num_prompts']} prompts{', answered turn by turn' if src['multi_turn'] else ''}; "
                      f"<code>{_e(src['source'])}</code>)</h3>")
         parts.append(_table(header, rows, attrs=attrs, table_id=f"categories-{_e(set_name)}"))
+
+    parts += temperature_html(summary)
 
     max_k = settings.get("replay_max_k") or k
     rows = [[_e(s), _e(d)] + [_num((r["acceptance_length_vs_k"] or {}).get(str(j))) for j in range(1, max_k + 1)]

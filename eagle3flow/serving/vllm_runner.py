@@ -15,7 +15,9 @@ Request JSON (written by :func:`run_vllm`, read by :func:`main`)::
                                    "num_speculative_tokens": K},
      "max_tokens": 64, "max_model_len": 2048, "dtype": "auto", "device": "auto",
      "tensor_parallel_size": 1, "enforce_eager": null, "gpu_memory_utilization": 0.85,
-     "ignore_eos": false, "seed": 0, "trust_remote_code": false, "top_logits": 0}
+     "ignore_eos": false, "seed": 0, "trust_remote_code": false, "top_logits": 0,
+     "temperatures": [], "samples_per_prompt": 4, "sample_seed": 0,
+     "probabilistic_draft": false}
 
 Result JSON::
 
@@ -28,7 +30,13 @@ Result JSON::
      "spec_decode": null | {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
                             "num_accepted_tokens_per_pos": [K ints]},
      "sets": [{"name", "wall_time_s", "num_output_tokens", "output_tokens_per_s",
-               "outputs": [...], "spec_decode": ...}]}
+               "outputs": [...], "spec_decode": ...}],
+     "draft_sample_method": null | "greedy" | "probabilistic", "draft_sample_note": str,
+     "cpu_expand_kernel": null | str (the CPU build's fix: eagle3flow/serving/vllm_cpu_fixes.py),
+     "temperature_runs": [{"temperature", "sets": [{"name", "wall_time_s", "num_output_tokens",
+                            "outputs": [{"id", "sample", "seed", "prompt_token_ids",
+                                         "output_token_ids", "finish_reason", "spec_decode"}],
+                            "spec_decode": ...}]}]}
 
 Prompt sets (``sets``; without it ``prompts`` is one set named ``default``) run one
 after the other in the same engine, each timed on its own. A set's ``prompts`` are
@@ -44,7 +52,16 @@ own N best next tokens with their raw logits (``[[token, logit], ...]``, best fi
 without loading the target a second time, and in the numbers the serving engine computed.
 They come from a second, untimed pass of the same batch: the timings are of plain decoding.
 
-Greedy decoding (temperature 0). Prompts are token ids rendered by the caller, so
+Greedy decoding (temperature 0) first. Then, for each of ``temperatures`` (each > 0), in
+the same engine (an engine start costs more than the sampling here): every single prompt of
+every set, and every conversation's first turn, sampled ``samples_per_prompt`` times, each
+sample with its own seed (:func:`sample_seed`, a function of the request's ``sample_seed``,
+the set, the prompt and the sample's index: the baseline and every speculative engine draw
+with the same seeds). ``probabilistic_draft``: the draft samples its proposals at the
+request's temperature (vLLM's ``draft_sample_method: probabilistic``) where this vLLM has it;
+``draft_sample_method`` in the result says what ran, ``draft_sample_note`` why.
+
+Prompts are token ids rendered by the caller, so
 every engine sees exactly the same input. This module imports only the standard
 library at import time: it must run under any Python that has vLLM.
 """
@@ -56,11 +73,13 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
+from eagle3flow.serving.vllm_cpu_fixes import fix_expand_kernel
 from eagle3flow.target.config import is_wrapper, load_target_config, read_config_file
 from eagle3flow.target.tokenizer import load_tokenizer
 
@@ -86,6 +105,10 @@ REQUEST_DEFAULTS = {
     "chat_template_kwargs": {},
     "trust_remote_code": False,     # target.trust_remote_code: the engine's and the tokenizer's
     "top_logits": 0,                # N best raw logits per generated position (module doc)
+    "temperatures": [],             # sampled runs after the greedy one (module doc)
+    "samples_per_prompt": 4,
+    "sample_seed": 0,
+    "probabilistic_draft": False,
 }
 
 
@@ -263,8 +286,35 @@ def cpu_engine_options(target_config: dict, dtype: str) -> dict:
     return options
 
 
+def sample_seed(base: int, set_name: str, prompt_id: str, sample: int) -> int:
+    """The seed of one sampled answer: the same in every engine of an evaluation, so the
+    answers with and without the draft are drawn prompt by prompt, sample by sample, with
+    the same seeds (a stable hash: Python's own is salted per process)."""
+    return zlib.crc32(f"{base}/{set_name}/{prompt_id}/{sample}".encode()) & 0x7FFFFFFF
+
+
+def draft_sampling(spec: dict, wanted: bool) -> tuple[dict, str | None, str]:
+    """The speculative config with probabilistic draft sampling where it is ``wanted`` and
+    the installed vLLM has it (``SpeculativeConfig.draft_sample_method``, 0.32); the method
+    that runs and why. Without it the draft proposes its argmax at every temperature and
+    the rejection sampler treats that as a one-hot proposal: acceptance reads low."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    if not wanted:
+        return spec, spec.get("draft_sample_method", "greedy"), "greedy requests only"
+    if "draft_sample_method" not in {f.name for f in dataclasses.fields(SpeculativeConfig)}:
+        return spec, "greedy", ("this vLLM has no draft_sample_method: EAGLE-3 drafts propose "
+                                "greedily at temperature and acceptance reads low")
+    return ({**spec, "draft_sample_method": "probabilistic"}, "probabilistic",
+            "vLLM's draft_sample_method probabilistic: the draft samples at the request's "
+            "temperature and the rejection sampler uses its full distribution")
+
+
 def generate(request: dict) -> dict:
-    """Load one engine, generate greedily for every prompt, return the result dict."""
+    """Load one engine, generate greedily for every prompt (then sampled at each of
+    ``temperatures``), return the result dict."""
     request = {**REQUEST_DEFAULTS, **request}
     for field in ("target",):
         if field not in request:
@@ -290,6 +340,11 @@ def generate(request: dict) -> dict:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    cpu_fix = None
+    if on_cpu:
+        # Sampling at temperature with a draft needs it (eagle3flow/serving/vllm_cpu_fixes.py).
+        cpu_fix = (fix_expand_kernel() if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                   else "not applied: the engine core runs in a child process")
     if device == "auto":
         device = "cpu" if on_cpu else current_platform.device_type
     if device == "cpu" and not on_cpu:
@@ -316,7 +371,14 @@ def generate(request: dict) -> dict:
                        if k != "enforce_eager"})
     else:
         kwargs["gpu_memory_utilization"] = float(request["gpu_memory_utilization"])
+    temperatures = [float(t) for t in request["temperatures"] or []]
+    if any(t <= 0 for t in temperatures):
+        raise ValueError(f"vLLM request: temperatures must be > 0 (the greedy run is always "
+                         f"made), got {temperatures}")
+    draft_method = draft_note = None
     if spec:
+        spec, draft_method, draft_note = draft_sampling(
+            dict(spec), bool(request["probabilistic_draft"]) and bool(temperatures))
         kwargs["speculative_config"] = dict(spec)
         backend = (kwargs.get("attention_config") or {}).get("backend")
         if backend:   # an MLA draft picks its own backend: the same one as its target
@@ -353,6 +415,7 @@ def generate(request: dict) -> dict:
         set_results.append(_generate_set(llm, prompt_set, params, spec, tokenizer,
                                          request, progress))
     progress.close()
+    temperature_runs = [sampled_run(llm, sets, t, spec, tokenizer, request) for t in temperatures]
 
     outputs = [o for r in set_results for o in r["outputs"]]
     wall = sum(r["wall_time_s"] for r in set_results)
@@ -376,7 +439,63 @@ def generate(request: dict) -> dict:
         "outputs": outputs,
         "spec_decode": totals,
         "sets": set_results,
+        "draft_sample_method": draft_method,
+        "draft_sample_note": draft_note,
+        "cpu_expand_kernel": cpu_fix,
+        "temperature_runs": temperature_runs,
     }
+
+
+def sampled_run(llm, sets: list[dict], temperature: float, spec, tokenizer, request: dict) -> dict:
+    """Every set's prompts (and conversations' first turns) sampled at ``temperature``,
+    ``samples_per_prompt`` answers each with their own seeds (:func:`sample_seed`); each
+    set's spec-decode counters apart."""
+    from vllm import SamplingParams
+
+    n = int(request["samples_per_prompt"])
+    if n < 1:
+        raise ValueError(f"vLLM request: samples_per_prompt must be >= 1, got {n}")
+    progress = Progress(f"vllm[{'eagle3' if spec else 'baseline'} T={temperature:g}]",
+                        total=sum(len(_first_turns(s, tokenizer, request)) * n for s in sets),
+                        unit="generations")
+    results = []
+    for prompt_set in sets:
+        items = [dict(item, sample=j, seed=sample_seed(int(request["sample_seed"]),
+                                                       prompt_set["name"], item["id"], j))
+                 for item in _first_turns(prompt_set, tokenizer, request) for j in range(n)]
+        params = [SamplingParams(temperature=temperature, top_p=1.0, seed=item["seed"],
+                                 max_tokens=int(request["max_tokens"]),
+                                 ignore_eos=bool(request["ignore_eos"])) for item in items]
+        before = _spec_decode_counters(llm.get_metrics()) if spec else None
+        t0 = time.perf_counter()
+        done = llm.generate([{"prompt_token_ids": list(i["prompt_token_ids"])} for i in items],
+                            params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        outputs = [{**item, "output_token_ids": [int(t) for t in r.outputs[0].token_ids],
+                    "finish_reason": r.outputs[0].finish_reason,
+                    "spec_decode": _request_metrics(r.outputs[0]) if spec else None}
+                   for item, r in zip(items, done)]
+        progress.update(len(items))
+        num_out = sum(len(o["output_token_ids"]) for o in outputs)
+        results.append({"name": prompt_set["name"], "wall_time_s": wall, "num_output_tokens": num_out,
+                        "output_tokens_per_s": num_out / wall if wall > 0 else None,
+                        "outputs": outputs,
+                        "spec_decode": _counter_delta(_spec_decode_counters(llm.get_metrics()), before)
+                                       if spec else None})
+    progress.close()
+    return {"temperature": temperature, "samples_per_prompt": n, "sets": results}
+
+
+def _first_turns(prompt_set: dict, tokenizer, request: dict) -> list[dict]:
+    """A set's single prompts and its conversations' first turns (later turns would hang on
+    each engine's own sampled answers, so they are not the same prompts across engines)."""
+    items = [{"id": p["id"], "prompt_token_ids": list(p["prompt_token_ids"])}
+             for p in prompt_set.get("prompts") or []]
+    items += [{"id": f"{c['id']}#1", "conversation": c["id"], "turn": 1,
+               "prompt_token_ids": _render_turn(tokenizer, _turn_messages(c, 0, []),
+                                                request["chat_template_kwargs"])}
+              for c in prompt_set.get("conversations") or []]
+    return items
 
 
 def _without_logprobs(params):

@@ -12,4 +12,4 @@ TRAIN_DEFAULTS = schema_defaults("train")
 # changes the float summation order only, so a run may resume under another one).
 NOT_FINGERPRINTED = ("log_every", "checkpoint_every", "keep_checkpoints", "eval_max_tokens", "nproc",
                      "nodes", "data_workers", "prefetch_batches", "peak_flops", "device", "grad_reduce_dtype",
-                     "report_to")
+                     "report_to", "checkpoint_metric", "checkpoint_temperature")

@@ -111,7 +111,8 @@ class TrainMetrics:
     def evaluation(self, step: int, evaluated: dict) -> None:
         """An eval at a checkpoint (eagle3flow/train/eval_split.py's dict), to the trackers."""
         self.trackers.log(step, flatten("eval", {key: evaluated[key] for key in (
-            "decode_acceptance_length", "simulated_acceptance_length", "step_accuracy")}))
+            "decode_acceptance_length", "simulated_acceptance_length", "step_accuracy",
+            "rejection_acceptance_length") if key in evaluated}))
 
     def close(self) -> None:
         self.trackers.close()

@@ -212,7 +212,15 @@ class Trainer:
     def evaluate(self, eval_split: Manifest) -> dict:
         with bf16_autocast(self.device):
             return evaluate_split(self.model, eval_split, self.num_steps, self.cfg["eval_max_tokens"],
-                                  teacher_head=self.teacher_head.float(), batch_tokens=self.cfg["batch_tokens"])
+                                  teacher_head=self.teacher_head.float(), batch_tokens=self.cfg["batch_tokens"],
+                                  temperature=(self.cfg["checkpoint_temperature"] if self.picks_at_temperature
+                                               else None))
+
+    @property
+    def picks_at_temperature(self) -> bool:
+        """train.checkpoint_metric rejection_estimate: the best checkpoint is the one with the
+        highest expected acceptance under rejection sampling (else: the decode walk)."""
+        return self.cfg.get("checkpoint_metric", "decode_walk") == "rejection_estimate"
 
     def save(self, run_dir: Path, fp: str, next_epoch: int, next_batch: int, eval_split: Manifest | None,
              metrics: TrainMetrics) -> None:
@@ -221,10 +229,19 @@ class Trainer:
         run, num_steps = self.run, self.num_steps
         if eval_split is not None:
             evaluated = self.evaluate(eval_split)
-            acceptance = evaluated["decode_acceptance_length"][str(num_steps)]
+            metric = "rejection_estimate" if self.picks_at_temperature else "decode_walk"
+            acceptance = evaluated["rejection_acceptance_length" if self.picks_at_temperature
+                                   else "decode_acceptance_length"][str(num_steps)]
+            if run.best is not None and run.best.get("metric", "decode_walk") != metric:
+                run.best = None     # resumed under another metric: its best is not comparable
             if acceptance is not None and (run.best is None or acceptance > run.best["acceptance_length"]):
-                run.best = {"step": run.step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps}
-            self.log(f"train: step {run.step} eval acceptance length (decode walk, K={num_steps}) {acceptance}; "
+                run.best = {"step": run.step, "acceptance_length": acceptance, "num_speculative_tokens": num_steps,
+                            # Only where it is not the default: best.json stays as it was.
+                            **({"metric": metric, "temperature": self.cfg["checkpoint_temperature"]}
+                               if self.picks_at_temperature else {})}
+            what = (f"rejection estimate at T={self.cfg['checkpoint_temperature']:g}" if self.picks_at_temperature
+                    else "decode walk")
+            self.log(f"train: step {run.step} eval acceptance length ({what}, K={num_steps}) {acceptance}; "
                      f"best {run.best}")
             metrics.evaluation(run.step, evaluated)
             self.last_evaluation = (run.step, evaluated)

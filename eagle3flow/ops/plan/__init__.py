@@ -60,7 +60,7 @@ from eagle3flow.atomic import write_json
 # rules/*.smk reach the planner through this module (`plan_lib`): besides what it uses
 # itself, it names what they call when the workflow is read and after the run.
 from eagle3flow.ops.plan.disk_sampler import read_peak, sample_disk, start_sampler
-from eagle3flow.ops.plan.project import evaluation_target_loads, project
+from eagle3flow.ops.plan.project import evaluation_target_loads, project, sampled_generations
 from eagle3flow.ops.plan.stages import Plan
 from eagle3flow.ops.plan.table import render
 from eagle3flow.ops.plan.throughput import attach_actuals, extract_backend, record_throughputs

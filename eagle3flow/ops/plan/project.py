@@ -160,7 +160,10 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     if sb == "assumed" and load_s:     # a last run's time has its loads in it already
         loads, loads_basis = evaluation_target_loads(ev, total_params)
         s, sb = s + loads * load_s, f"{sb} + {loads} x{load_basis[2:]}: {loads_basis}"
-    proj["evaluate"] = (n_prompts * (ev["max_tokens"] * 12 + 2000) + 20_000, "outputs and requests", s, sb)
+    sampled = sampled_generations(config, n_prompts)
+    proj["evaluate"] = ((n_prompts + sampled) * (ev["max_tokens"] * 12 + 2000) + 20_000,
+                        "outputs and requests" + (f", {sampled:,} sampled answers at temperature"
+                                                  if sampled else ""), s, sb)
     proj["report"] = (600_000, "plots and tables",
                       *scaled_seconds("build_report", 0, ASSUMED_SECONDS["report"], "assumed"))
 
@@ -216,6 +219,20 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         plan.notes.append("target.trust_remote_code is on: every stage that loads the target "
                           "(tokenizer, transformers, vLLM) runs the Python code it ships (auto_map)")
     return plan
+
+
+def sampled_generations(config: dict, n_prompts: int) -> int:
+    """The answers the evaluation samples at temperature (evaluate.temperatures above 0, null:
+    config.default_temperatures), each written by the baseline and every draft's engine."""
+    from eagle3flow.config import default_temperatures
+
+    ev = config["evaluate"]
+    temperatures = ev.get("temperatures")
+    if temperatures is None:
+        temperatures = default_temperatures(config) or []
+    hot = len({float(t) for t in temperatures if float(t) > 0})
+    engines = 1 + 1 + len(ev.get("compare_drafts") or {})
+    return n_prompts * int(ev.get("samples_per_prompt") or 0) * hot * engines
 
 
 def evaluation_target_loads(evaluate: dict, total_params: int) -> tuple[int, str]:
