@@ -525,7 +525,7 @@ def test_acceptance_length_ci_is_a_bootstrap_over_prompts():
 def test_offline_estimate_closed_form_on_tiny_distributions():
     """Per step, acceptance is sum_x min(p, q); a round of K accepts N with
     P(N >= i) = prod alpha; the walk is the expectation over where rounds start."""
-    from eagle3flow.eval.rejection_estimate import (acceptance_length, expected_acceptance,
+    from eagle3flow.train.rejection_estimate import (acceptance_length, expected_acceptance,
                                                     step_acceptance, tempered)
 
     p = torch.tensor([0.5, 0.3, 0.2])
@@ -548,7 +548,7 @@ def test_offline_estimate_closed_form_on_tiny_distributions():
 
 
 def test_offline_estimate_is_the_greedy_replay_where_alpha_is_0_or_1():
-    from eagle3flow.eval.rejection_estimate import expected_acceptance
+    from eagle3flow.train.rejection_estimate import expected_acceptance
 
     ids = [1, 2, 3, 20, 21, 22, 23, 24, 25]
     chains = chains_from({2: [21, 99, 23], 4: [22, 23, 24], 5: [24, 25, 26]}, len(ids), 3)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from eagle3flow.eval.aggregate import vllm_acceptance
 from eagle3flow.eval.confidence import acceptance_length_ci, within
 from eagle3flow.eval.distribution_test import distribution_test
-from eagle3flow.eval.rejection_estimate import acceptance_length
+from eagle3flow.train.rejection_estimate import acceptance_length
 
 
 def temperature_key(temperature: float) -> str:

@@ -1,7 +1,7 @@
 """Greedy speculative decoding replayed on known greedy outputs: the simulated acceptance
 that must agree with vLLM's own (eagle3flow/eval/evaluate.py, measurement 2). Beside it,
 at each sampling temperature, the offline estimate of acceptance along the target's own
-sampled answers (:func:`estimate_at_temperature`, eagle3flow/eval/rejection_estimate.py).
+sampled answers (:func:`estimate_at_temperature`, eagle3flow/train/rejection_estimate.py).
 
 The HF target captures the aux states of ``prompt + output``, the draft predicts its
 chains (``Eagle3Draft.predict_chains``) and :func:`replay_greedy_speculation` replays
@@ -20,7 +20,7 @@ from eagle3flow.export.load import load_exported_draft
 from eagle3flow.device import resolve_device
 from eagle3flow.extract.extraction import resolve_dtype
 from eagle3flow.extract.hf import capture, load_target
-from eagle3flow.eval.rejection_estimate import expected_acceptance, step_acceptance, tempered
+from eagle3flow.train.rejection_estimate import expected_acceptance, step_acceptance, tempered
 from eagle3flow.progress import Progress
 from eagle3flow.target.files import loaded_weight_bytes
 

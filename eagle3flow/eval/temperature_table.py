@@ -45,7 +45,7 @@ def temperature_note(summary: dict) -> str | None:
             f"on both sides; draft sampling {settings.get('draft_sample_method')} "
             f"({settings.get('draft_sample_note')}). Interval: {block['vllm']['ci_method']}, "
             f"{settings['confidence']:.0%}. Offline: the expected acceptance under rejection "
-            f"sampling along the target's own sampled answers (eagle3flow/eval/rejection_estimate.py; "
+            f"sampling along the target's own sampled answers (eagle3flow/train/rejection_estimate.py; "
             f"at greedy, the exact replay). Lossless at temperature: {block['lossless']['test']}, over "
             f"tokens 1..{settings['lossless_positions']}, failing below p = "
             f"{settings['lossless_false_alarm_rate']}.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3flow.eval.rejection_estimate import expected_acceptance, step_acceptance, tempered
+from eagle3flow.train.rejection_estimate import expected_acceptance, step_acceptance, tempered
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.draft import Eagle3Draft, PackedLayout
 from eagle3flow.target.weights import load_target_head

@@ -9,6 +9,7 @@ import math
 import os
 from pathlib import Path
 
+from eagle3flow.config import default_temperatures
 from eagle3flow.ops import streaming
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
 from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
@@ -224,8 +225,6 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
 def sampled_generations(config: dict, n_prompts: int) -> int:
     """The answers the evaluation samples at temperature (evaluate.temperatures above 0, null:
     config.default_temperatures), each written by the baseline and every draft's engine."""
-    from eagle3flow.config import default_temperatures
-
     ev = config["evaluate"]
     temperatures = ev.get("temperatures")
     if temperatures is None:
