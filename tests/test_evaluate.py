@@ -195,11 +195,15 @@ def hf_greedy(target: Path, prompts: list[dict], max_new_tokens: int) -> list[li
 @pytest.mark.slow
 def test_vllm_runner_subprocess_greedy(chat_target, tmp_path):
     """A real vLLM engine in a child process: greedy ids match HF's greedy decoding, and the
-    two best raw logits it records per position (what judges a divergence) are HF's."""
+    two best raw logits it records per position (what judges a divergence) are HF's. Then
+    seeded samples whose prompts overrun one step's token budget (8,192 here): vLLM 0.32 on
+    CPU crashed rewinding the generator of a partly prefilled seeded request."""
     path = write_eval_prompts(tmp_path / "eval_prompts.jsonl", 3)
     prompts = render_prompts(path, chat_target)
+    samples = 1 + 8192 // sum(len(p["prompt_token_ids"]) for p in prompts)
     request = {"target": str(chat_target), "prompts": prompts, "max_tokens": 12,
-               "max_model_len": 128, "dtype": "float32", "device": "cpu", "top_logits": 2}
+               "max_model_len": 128, "dtype": "float32", "device": "cpu", "top_logits": 2,
+               "temperatures": [1.0], "samples_per_prompt": samples}
     t0 = time.monotonic()
     result = run_vllm(request, tmp_path / "run.json", log_path=tmp_path / "run.log")
     print(f"vLLM baseline run: {time.monotonic() - t0:.1f}s")
@@ -208,6 +212,8 @@ def test_vllm_runner_subprocess_greedy(chat_target, tmp_path):
     assert [o["id"] for o in result["outputs"]] == ["p0", "p1", "p2"]
     assert result["num_output_tokens"] == sum(len(o["output_token_ids"]) for o in result["outputs"])
     assert result["output_tokens_per_s"] > 0
+    sampled = [o for run in result["temperature_runs"] for st in run["sets"] for o in st["outputs"]]
+    assert len(sampled) == samples * len(prompts) and all(o["output_token_ids"] for o in sampled)
 
     for p, o, hf_out in zip(prompts, result["outputs"], hf_greedy(chat_target, prompts, 12)):
         assert o["prompt_len"] == len(p["prompt_token_ids"])

@@ -375,6 +375,12 @@ def generate(request: dict) -> dict:
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"vLLM request: temperatures must be > 0 (the greedy run is always "
                          f"made), got {temperatures}")
+    if on_cpu and temperatures:
+        # Seeded requests on CPU: vLLM 0.32 rewinds a request's generator when it drops the
+        # token sampled for a partly prefilled prompt, which a CPU generator cannot do
+        # ("CPU Generator does not use offset"). Whole prompts only, then nothing is dropped.
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(int(request["max_model_len"]), 8192))
     draft_method = draft_note = None
     if spec:
         spec, draft_method, draft_note = draft_sampling(
