@@ -154,6 +154,44 @@ def load_replays(path: Path, key: str) -> dict[str, dict]:
     return done
 
 
+def _per_answer(draft_dir: Path, target_path: Path, units: list[dict], device: str, dtype: str,
+                path: Path, key: str, loaded: dict, label: str, trust_remote_code: bool, by_k,
+                describe: str | None = None) -> dict[str, dict]:
+    """``by_k(target, draft, aux_layer_ids, ids, prompt_len, torch_device)`` on each answer of
+    ``units`` not yet in ``path`` under ``key``, each row appended as soon as it is done
+    (resume); the HF target is loaded once into ``loaded`` (shared across drafts). Returns
+    ``{unit key: {"by_k": ...}}``."""
+    done = load_replays(path, key)
+    todo = [u for u in units if u["key"] not in done]
+    if todo:
+        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
+        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
+        if describe:
+            print(f"evaluate: {label} on {torch_device} ({torch_dtype}), aux layers {aux_layer_ids}, "
+                  f"{describe}, {len(done)} of {len(units)} generations cached",
+                  file=sys.stderr, flush=True)
+        target_key = (str(target_path), str(torch_dtype), str(torch_device))
+        if target_key not in loaded:
+            loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
+        target = loaded[target_key]
+        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
+                                    device=torch_device).eval()
+        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
+                            done=len(done))
+        with open(path, "a") as f:
+            for unit in todo:
+                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
+                row = {"id": unit["key"], "fingerprint": key,
+                       "by_k": by_k(target, draft, aux_layer_ids, ids, len(unit["prompt_token_ids"]),
+                                    torch_device)}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                done[unit["key"]] = row
+                progress.update(1)
+        progress.close()
+    return {u["key"]: done[u["key"]] for u in units}
+
+
 def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], max_k: int,
                         device: str, dtype: str, replay_path: Path, key: str,
                         loaded: dict | None = None, label: str = "replay",
@@ -169,39 +207,16 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
     ``trust_remote_code``, ``target.trust_remote_code``). Returns
     ``{unit key: {"by_k": {"K": replay}}}``.
     """
-    done = load_replays(replay_path, key)
-    todo = [u for u in units if u["key"] not in done]
-    if todo:
-        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
-        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
-        print(f"evaluate: {label} on {torch_device} ({torch_dtype}), aux layers {aux_layer_ids}, "
-              f"K=1..{max_k}, {len(done)} of {len(units)} generations cached",
-              file=sys.stderr, flush=True)
-        loaded = {} if loaded is None else loaded
-        target_key = (str(target_path), str(torch_dtype), str(torch_device))
-        if target_key not in loaded:
-            loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
-        target = loaded[target_key]
-        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
-                                          device=torch_device).eval()
-        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
-                            done=len(done))
-        with open(replay_path, "a") as f:
-            for unit in todo:
-                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
-                input_ids = torch.tensor([ids], dtype=torch.long, device=torch_device)
-                aux, _ = capture(target, input_ids, torch.ones_like(input_ids), aux_layer_ids)
-                chains = draft.predict_chains(aux[0], input_ids[0], max_k).cpu()
-                row = {"id": unit["key"], "fingerprint": key, "by_k": {
-                    str(k): replay_greedy_speculation(chains[:, :k], ids,
-                                                      len(unit["prompt_token_ids"]))
-                    for k in range(1, max_k + 1)}}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                done[unit["key"]] = row
-                progress.update(1)
-        progress.close()
-    return {u["key"]: done[u["key"]] for u in units}
+    def by_k(target, draft, aux_layer_ids, ids, prompt_len, torch_device):
+        input_ids = torch.tensor([ids], dtype=torch.long, device=torch_device)
+        aux, _ = capture(target, input_ids, torch.ones_like(input_ids), aux_layer_ids)
+        chains = draft.predict_chains(aux[0], input_ids[0], max_k).cpu()
+        return {str(k): replay_greedy_speculation(chains[:, :k], ids, prompt_len)
+                for k in range(1, max_k + 1)}
+
+    return _per_answer(draft_dir, target_path, units, device, dtype, replay_path, key,
+                       {} if loaded is None else loaded, label, trust_remote_code, by_k,
+                       describe=f"K=1..{max_k}")
 
 
 def temperature_alpha(target, draft, aux_layer_ids: list[int], ids: list[int], max_k: int,
@@ -245,31 +260,11 @@ def estimate_at_temperature(draft_dir: Path, target_path: Path, units: list[dict
     ``1..max_k``; ``draft_temperature``: as in :func:`temperature_alpha`. Kept in
     ``estimate_path`` by ``key`` like the replay (resume). Returns
     ``{unit key: {"by_k": {"K": walk}}}``."""
-    done = load_replays(estimate_path, key)
-    todo = [u for u in units if u["key"] not in done]
-    if todo:
-        torch_device, torch_dtype, _ = resolve_precision(device, dtype)
-        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
-        target_key = (str(target_path), str(torch_dtype), str(torch_device))
-        if target_key not in loaded:
-            loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
-        target = loaded[target_key]
-        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
-                                    device=torch_device).eval()
-        progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
-                            done=len(done))
-        with open(estimate_path, "a") as f:
-            for unit in todo:
-                ids = list(unit["prompt_token_ids"]) + list(unit["output_token_ids"])
-                alpha = temperature_alpha(target, draft, aux_layer_ids, ids, max_k, temperature,
-                                          torch_device, draft_temperature)
-                row = {"id": unit["key"], "fingerprint": key, "by_k": {
-                    str(k): expected_acceptance([a[:k] for a in alpha], len(unit["prompt_token_ids"]),
-                                                len(ids))
-                    for k in range(1, max_k + 1)}}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                done[unit["key"]] = row
-                progress.update(1)
-        progress.close()
-    return {u["key"]: done[u["key"]] for u in units}
+    def by_k(target, draft, aux_layer_ids, ids, prompt_len, torch_device):
+        alpha = temperature_alpha(target, draft, aux_layer_ids, ids, max_k, temperature,
+                                  torch_device, draft_temperature)
+        return {str(k): expected_acceptance([a[:k] for a in alpha], prompt_len, len(ids))
+                for k in range(1, max_k + 1)}
+
+    return _per_answer(draft_dir, target_path, units, device, dtype, estimate_path, key, loaded,
+                       label, trust_remote_code, by_k)
