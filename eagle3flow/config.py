@@ -247,7 +247,8 @@ DATASET_BORROWED = dict(TARGET_BORROWED)
 # The extraction: the dataset's length limit (part of the shards' fingerprint) and the
 # node's GPUs (vLLM's tensor parallelism).
 EXTRACT_BORROWED = {"max_length": "dataset.max_length", "length_policy": "dataset.length_policy",
-                    "gpus": "resources.gpus", **TARGET_BORROWED}
+                    "gpus": "resources.gpus", "draft_method": "train.method",
+                    "dflash_layers": "dflash.num_hidden_layers", **TARGET_BORROWED}
 # The regeneration: which rows in which order (the seed prepare_dataset shuffles with,
 # beside the section's own seed of the requests) and the chat template's variables; the
 # target's code for the server it starts (--serve-target).
@@ -264,7 +265,7 @@ MODEL_CARD_BORROWED = dict(TARGET_BORROWED)
 # which the stage takes anyway): keys added to commands that ran without them, so that a
 # run at the default keeps its commands as they were (Snakemake reruns a job whose
 # params changed).
-ONLY_WHEN_SET = frozenset({"target.trust_remote_code"})
+ONLY_WHEN_SET = frozenset({"target.trust_remote_code", "train.method", "dflash.num_hidden_layers"})
 
 
 def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
@@ -283,7 +284,7 @@ def borrowed_values(config: dict, borrowed: Mapping[str, str]) -> dict:
 # fingerprint (eagle3flow/train/checkpoint.py) carry them only when set away from the
 # schema's default, so a run at the defaults keeps its job (Snakemake reruns a job whose
 # params changed) and resumes its checkpoints.
-TRAIN_ONLY_WHEN_SET = ("loss", "loss_temperature", "lk_hybrid_eta")
+TRAIN_ONLY_WHEN_SET = ("loss", "loss_temperature", "lk_hybrid_eta", "method")
 # Train keys that only pick which checkpoint is kept (not in the fingerprint): off the
 # trainer's command line at their defaults too, so a run at the defaults keeps its job.
 TRAIN_PICK_ONLY_WHEN_SET = ("checkpoint_metric", "checkpoint_temperature")
@@ -331,6 +332,11 @@ def export_stage_settings(config: dict) -> dict:
     return {**config["export"], **borrowed_values(config, EXPORT_BORROWED)}
 
 
+def dflash_stage_settings(config: dict) -> dict:
+    """The DFlash trainer's --config-json: the dflash section and TARGET_BORROWED."""
+    return {**config["dflash"], **borrowed_values(config, TARGET_BORROWED)}
+
+
 def model_card_settings(config: dict) -> dict:
     """write_model_card's --config-json: of the hub section only what the card shows
     (publishing's dry_run and repo_id must not rewrite it), and MODEL_CARD_BORROWED."""
@@ -349,6 +355,14 @@ def check_workflow_config(config: dict, environ=os.environ) -> None:
             "where nothing holds the GPUs")
     # The schema checks each loss name and weight; that some weight is not 0 it cannot say.
     loss_mix(config["train"]["loss"])
+    if config["train"]["method"] == "dflash":
+        if config["export"]["formats"] != schema_defaults("export")["formats"]:
+            raise ValueError("export.formats: a DFlash draft (train.method: dflash) is written in the one "
+                             "layout vLLM serves (DFlashDraftModel, results/draft/); leave export.formats "
+                             "at its default")
+        if config["regenerate"]["compare_original_answers"]:
+            raise ValueError("regenerate.compare_original_answers trains an EAGLE-3 draft beside; not with "
+                             "train.method: dflash yet")
     regenerate = config["regenerate"]
     if uses_builtin_prompts(config) and not regenerate["enabled"]:
         raise ValueError(

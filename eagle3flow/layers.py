@@ -63,11 +63,33 @@ def normalize_aux_layer_ids(configured: list[int] | None, num_layers: int | None
     return ids, notice
 
 
-def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
-    """The configured ids (or the default) normalized (sorted, deduplicated, with a
-    notice on stderr when that changed them) and checked against the target's depth."""
+def default_dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash paper's choice in this project's convention: as many target layers as
+    draft layers, spread evenly over the outputs of layers ``1..N-3`` (one draft layer:
+    the middle layer's output), i.e. ids in ``2..N-2``."""
+    if num_layers < 4:
+        raise ValueError(f"DFlash needs a target with at least 4 decoder layers, got {num_layers}")
+    if num_draft_layers == 1:
+        return from_layer_outputs([num_layers // 2])
+    start, end = 1, num_layers - 3
+    outputs = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return from_layer_outputs(sorted(set(outputs)))
+
+
+def default_layer_ids(num_layers: int, method: str = "eagle3", dflash_layers: int = 1) -> list[int]:
+    """The default target layers of a draft of ``method`` (``train.method``)."""
+    if method == "dflash":
+        return default_dflash_layer_ids(num_layers, dflash_layers)
+    return default_aux_layer_ids(num_layers)
+
+
+def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int, method: str = "eagle3",
+                          dflash_layers: int = 1) -> list[int]:
+    """The configured ids (or the default of the draft ``method``, :func:`default_layer_ids`)
+    normalized (sorted, deduplicated, with a notice on stderr when that changed them) and
+    checked against the target's depth."""
     if configured is None:
-        return default_aux_layer_ids(num_layers)
+        return default_layer_ids(num_layers, method, dflash_layers)
     ids, notice = normalize_aux_layer_ids(configured, num_layers)
     if notice:
         print(f"layers: {notice}", file=sys.stderr, flush=True)

@@ -209,10 +209,12 @@ EXTRACT_INPUTS = dict(
     target=target_input(),
     target_identity=target_identity_input(),
 )
+# train.method: dflash trains a DFlash draft (rules/train.smk, rules/export.smk): no vocabulary map.
+DFLASH = config["train"]["method"] == "dflash"
 TRAIN_INPUTS = dict(
     train=LAYOUT.hidden_states_manifest("train"),
     eval=LAYOUT.hidden_states_manifest("eval"),
-    vocab_map=LAYOUT.vocab_map,
+    **({} if DFLASH else {"vocab_map": LAYOUT.vocab_map}),
     target=target_input(),
     target_identity=target_identity_input(),
 )

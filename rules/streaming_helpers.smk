@@ -3,6 +3,11 @@ from eagle3flow.ops import streaming as streaming_lib
 
 # The chain (eagle3flow.ops.streaming.Chain) when the budget makes this run stream, else None.
 STREAM = plan_lib.streaming_chain(config, os.getcwd(), PLAN_WHEN_READ)
+if STREAM is not None and DFLASH:
+    raise WorkflowError(
+        "storage.budget cannot hold the hidden states, so this run would stream them, and a DFlash draft "
+        "(train.method: dflash) does not train from streaming partitions yet: raise storage.budget or "
+        "train an EAGLE-3 draft")
 STREAM_DIR = LAYOUT.streaming_dir
 STREAM_PART = (
     LAYOUT.streamed_partition_manifest

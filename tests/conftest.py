@@ -166,7 +166,8 @@ def upstream(tmp_path_factory) -> Path:
 # their number of tests.
 SHARED_BUILD = "embedded_default_build"
 SHARED_BUILD_TESTS = {"test_embedded.py", "test_streaming.py",
-                      "test_workflow.py::test_embedded_default_end_to_end_with_kills"}
+                      "test_workflow.py::test_embedded_default_end_to_end_with_kills",
+                      "test_workflow.py::test_embedded_default_with_a_dflash_draft_end_to_end"}
 # The shared build's group goes third: the controller builds its target meanwhile
 # (pytest_configure), so no worker waits for the build. The Kimi-K2.5 test, fourth: with
 # its module's few tests it would be handed out among the last and end the run alone.

@@ -65,7 +65,8 @@ def test_command_line_strings_are_typed_as_the_schema_says():
 def workflow_config(**sections) -> dict:
     """The validated config's shape: every section at the schema's defaults, then ``sections``."""
     config = {name: schema_defaults(name) for name in ("target", "dataset", "regenerate", "drain",
-                                                       "evaluate", "train")}
+                                                       "evaluate", "train", "export", "dflash", "extract",
+                                                       "resources")}
     for name, values in sections.items():
         config[name].update(values)
     return config
@@ -111,6 +112,24 @@ def test_combinations_no_run_can_finish_are_refused():
                                         drain={"enabled": True, "unit": "vllm.service"})
     assert "drain.unit is not set" in refusal(drain={"enabled": True, "unit": None})
     assert refusal(drain={"enabled": False, "unit": None}) is None
+    dflash = {"method": "dflash"}
+    assert refusal(train=dflash) is None
+    assert "export.formats" in refusal(train=dflash, export={"formats": ["eagle3", "speculators"]})
+    assert "not with train.method: dflash" in refusal(train=dflash, regenerate={"enabled": True,
+                                                                                 "compare_original_answers": True})
+
+
+def test_train_method_reaches_the_extraction_and_the_dflash_trainer_only_when_set():
+    """At the default (eagle3) the extraction's and the trainer's commands are as before
+    train.method existed; with dflash the extraction learns whose default layers to take."""
+    config = workflow_config()
+    assert "draft_method" not in config_lib.extract_stage_settings(config)
+    assert "method" not in config_lib.train_stage_settings(config)
+    config = workflow_config(train={"method": "dflash"}, dflash={"num_hidden_layers": 3})
+    settings = config_lib.extract_stage_settings(config)
+    assert settings["draft_method"] == "dflash" and settings["dflash_layers"] == 3
+    assert section_settings("extract", settings, borrowed=config_lib.EXTRACT_BORROWED)["draft_method"] == "dflash"
+    assert config_lib.dflash_stage_settings(config)["num_hidden_layers"] == 3
 
 
 def test_regenerate_url_comes_from_the_config_before_the_environment():

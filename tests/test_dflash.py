@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle3flow.model.dflash import DFlashDraft
-from eagle3flow.model.dflash_config import DFlashConfig, default_target_layer_ids
+from eagle3flow.layers import default_dflash_layer_ids
+from eagle3flow.model.dflash_config import DFlashConfig
 from eagle3flow.model.draft import PackedLayout, apply_rope
 
 
@@ -103,8 +104,8 @@ def test_packed_blocks_equal_served_blocks(one_thread):
 def test_default_target_layers_and_config_roundtrip():
     # The paper's Qwen3-8B draft (36 target layers, 5 draft layers) reads the outputs of
     # layers 1, 9, 17, 25, 33: this project's ids are one more.
-    assert default_target_layer_ids(36, 5) == [2, 10, 18, 26, 34]
-    assert default_target_layer_ids(8, 1) == [5]
+    assert default_dflash_layer_ids(36, 5) == [2, 10, 18, 26, 34]
+    assert default_dflash_layer_ids(8, 1) == [5]
     target = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
               "num_hidden_layers": 8, "vocab_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
               "rope_theta": 10000.0, "torch_dtype": "float32"}
@@ -219,6 +220,36 @@ def test_training_is_reproducible_on_the_cpu(one_thread):
         runs.append((model.trainable_state_dict(), [h["loss"] for h in history]))
     assert runs[0][1] == runs[1][1] and runs[0][1][-1] < runs[0][1][0]
     assert all(torch.equal(runs[0][0][k], runs[1][0][k]) for k in runs[0][0])
+
+
+def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one_bitwise(tmp_path, one_thread):
+    """Checkpoints every 2 steps; a draft with other trained weights resumed from the step-4
+    checkpoint, as written to and read from disk, ends bitwise where the uninterrupted run
+    ended: weights and every step's loss."""
+    from eagle3flow.train.dflash_train import latest_checkpoint, save_checkpoint, train_dflash
+
+    cfg = tiny_config()
+    samples = []
+    for i in range(6):
+        b = packed_batch(cfg, [11], seed=10 + i)
+        samples.append({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"],
+                        "aux_hidden_states": b["aux"], "last_hidden_state": b["last"]})
+    run_dir = tmp_path / "run"
+    model = random_draft(cfg)
+    history = train_dflash(model, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
+                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state), checkpoint_every=2)
+    assert latest_checkpoint(run_dir).name == "step-4.pt" and not (run_dir / "step-6.pt").exists()
+    resumed = random_draft(cfg)          # the frozen embeddings and lm_head are the target's: the same
+    with torch.no_grad():                # the trained weights elsewhere: the checkpoint must bring them
+        for name, p in resumed.named_parameters():
+            if name not in resumed.FROZEN:
+                p.normal_()
+    state = torch.load(latest_checkpoint(run_dir), weights_only=False)
+    resumed_history = train_dflash(resumed, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
+                                   resume=state)
+    assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
+    final, again = model.trainable_state_dict(), resumed.trainable_state_dict()
+    assert all(torch.equal(final[k], again[k]) for k in final)
 
 
 def test_export_has_the_names_and_config_vllm_reads(random_llama_target, tmp_path, one_thread):
@@ -386,16 +417,19 @@ def test_command_lines_train_and_export_with_the_spare_embedding_row_as_mask(tmp
     spare = len(load_tokenizer(target))
     assert spare < 512 and dflash_train.default_mask_token_id(target) == spare
     manifest = make_hidden_states(target, tmp_path / "hs", 8, seed=0, aux_layer_ids=(2, 6))
-    dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "train"),
-                       "--config-json", json.dumps({"block_size": 3, "num_hidden_layers": 2, "steps": 3})])
+    paths = ["--train-manifest", str(manifest), "--eval-manifest", str(manifest), "--target", str(target),
+             "--cache-root", str(tmp_path / "cache")]
+    dflash_train.main(paths + ["--out-dir", str(tmp_path / "train"),
+                               "--config-json", json.dumps({"block_size": 3, "num_hidden_layers": 2, "steps": 3})])
+    assert {p.name for p in (tmp_path / "train").iterdir()} == {
+        "draft.safetensors", "draft_config.json", "metrics.jsonl", "eval.json"}
+    assert len((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(json.loads((tmp_path / "train" / "eval.json").read_text())["slot_accuracy"]) == 2
     export_cli.main(["--train-dir", str(tmp_path / "train"), "--target", str(target), "--out-dir", str(tmp_path / "draft")])
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    # the draft reads the layers the manifest holds (two draft layers, two target layers here)
     assert config["dflash_config"] == {"mask_token_id": spare, "target_layer_ids": [1, 5]} and config["block_size"] == 3
     with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as f:
         assert "layers.1.mlp.down_proj.weight" in set(f.keys())
-    with pytest.raises(SystemExit):
-        dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "x"),
-                           "--config-json", json.dumps({"blocksize": 3})])
-    with pytest.raises(ValueError, match="hidden states of layers"):
-        dflash_train.main(["--manifest", str(manifest), "--target", str(target), "--out-dir", str(tmp_path / "x"),
-                           "--config-json", json.dumps({"num_hidden_layers": 1})])
+    with pytest.raises(SystemExit):      # a key the dflash section does not have, refused by name
+        dflash_train.main(paths + ["--out-dir", str(tmp_path / "x"), "--config-json", json.dumps({"blocksize": 3})])

@@ -89,6 +89,34 @@ def test_draft_params_and_checkpoint_bytes_match_a_real_draft(random_llama_targe
         assert abs(buffer.tell() - projected) / projected < 0.05, (name, buffer.tell(), projected)
 
 
+def test_a_dflash_draft_is_projected_by_its_own_size_and_checkpoint(random_llama_target, tmp_path):
+    """train.method dflash: the plan's draft is the real DFlashDraft's trainable size, its
+    checkpoint the trainer's real one (weights, AdamW state after a step, run state) within 5%."""
+    import io
+
+    import torch
+
+    from eagle3flow.model.dflash import DFlashDraft
+    from eagle3flow.model.dflash_config import DFlashConfig
+    from eagle3flow.ops.plan.project import DFLASH_CHECKPOINT_BYTES_PER_PARAM
+
+    target = json.loads((random_llama_target / "config.json").read_text())
+    cfg = DFlashConfig.from_target_config(target, 4, 1, num_hidden_layers=2, target_layer_ids=[2, 4, 6])
+    model = DFlashDraft(cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert cfg.trainable_params() == sum(p.numel() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable)
+    sum(p.pow(2).sum() for p in trainable).backward()
+    optimizer.step()
+    buffer = io.BytesIO()
+    torch.save({"model": model.trainable_state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    projected = cfg.trainable_params() * DFLASH_CHECKPOINT_BYTES_PER_PARAM
+    assert abs(buffer.tell() - projected) / projected < 0.05, (buffer.tell(), projected)
+
+    row = stage_row(plan_lib.project(resolved_config(train={"method": "dflash"}), tmp_path), "train")
+    assert row.bytes_basis.startswith("DFlash:") and "context tokens/s" in row.time_basis, row
+
+
 def test_parse_bytes_and_job_stats():
     assert sizes.parse_bytes("1.5TiB") == int(1.5 * 1024 ** 4)
     assert sizes.parse_bytes("500GB") == 500 * 10 ** 9

@@ -16,7 +16,7 @@ import pytest
 
 from support.report_checks import check_embedded_report
 from support.workflow import (BIN, REPO, answer_diversity, answers_matching_evaluation, file_identity, greedy_answers,
-                              snakemake, snakemake_env, workflow_copy)
+                              kill_when, snakemake, snakemake_env, start_snakemake, workflow_copy)
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
@@ -118,6 +118,53 @@ def test_embedded_default_end_to_end_with_kills(embedded_workflow, tmp_path):
 
     # 5. The report: one self-contained HTML with every figure, rendered in Chromium.
     check_embedded_report(workdir, tmp_path / "chromium", BIN / "snakemake", env=snakemake_env(), args=run["args"])
+
+
+@pytest.mark.slow
+def test_embedded_default_with_a_dflash_draft_end_to_end(embedded_workflow, tmp_path):
+    """train.method dflash on the embedded default, from a copy of the session's finished
+    EAGLE-3 run: the DFlash draft reads the hidden states that run extracted (the same
+    layers, from the shard cache: nothing re-extracted), trains with a checkpoint and a
+    resume, is exported in vLLM's DFlashDraftModel layout and served by vLLM (CPU) with
+    method dflash, lossless, its exact replay agreeing with vLLM's counters round by round;
+    the model card serves it as DFlash."""
+    import shutil
+
+    source = embedded_workflow["workdir"]
+    assert embedded_workflow["result"].returncode == 0
+    workdir = tmp_path / "wf"
+    shutil.copytree(source, workdir, symlinks=True)
+    layers = json.loads((workdir / "results" / "eval" / "summary.json").read_text())["settings"]["aux_layer_ids"]
+    shards_before = sorted((workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors"))
+    overrides = ["--config", "train={method: dflash}", f"extract={{aux_layer_ids: {layers}}}",
+                 "dflash={block_size: 4, steps: 240, checkpoint_every: 80, samples_per_step: 16}",
+                 "evaluate={temperatures: [0]}"]
+    args = [*embedded_workflow["args"], *overrides]
+    proc = start_snakemake(workdir, *args, log=tmp_path / "killed.log")
+    kill_when(proc, lambda: any((workdir / "cache" / "train" / "dflash").glob("*/step-*.pt")), 900,
+              "the first DFlash checkpoint", tmp_path / "killed.log")
+    result = snakemake(workdir, *args, timeout=1200)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "resuming from step-" in (workdir / "logs" / "train_draft.log").read_text()
+    assert sorted((workdir / "cache" / "hidden_states").glob("*/shard-*.safetensors")) == shards_before
+
+    config = json.loads((workdir / "results" / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"]["target_layer_ids"] == [k - 1 for k in layers]
+    summary = json.loads((workdir / "results" / "eval" / "summary.json").read_text())
+    assert summary["settings"]["method"] == "dflash" and summary["settings"]["num_speculative_tokens"] == 3
+    assert summary["lossless"]["passed"] is True, summary["lossless"]
+    vllm, replay = summary["vllm"], summary["simulated"]
+    assert vllm["num_draft_tokens"] == 3 * vllm["num_drafts"]
+    assert abs(replay["acceptance_length"] / vllm["acceptance_length"] - 1) <= summary["agreement_tolerance"], \
+        (replay, vllm)
+    rounds = summary["round_agreement"]
+    assert rounds["prompts_rounds_equal_but_last"] == rounds["prompts_compared"] > 0, rounds
+    assert vllm["acceptance_length"] > 1.2, vllm          # it learned something in 240 steps
+    card = (workdir / "results" / "draft" / "README.md").read_text()
+    assert "- dflash" in card and '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card
+    assert (workdir / "results" / "report" / "evaluation.html").is_file()
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from eagle3flow.data.records import BadRow, conversation_from_record
 from eagle3flow.data.sources import load_sources, resolve_input
 from eagle3flow.layers import resolve_aux_layer_ids
 from eagle3flow.model.config import DraftConfig, check_override_keys
+from eagle3flow.model.dflash_config import DFlashConfig
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.files import weight_problems
 from eagle3flow.target.remote_code import check_remote_code, remote_code_files
@@ -78,12 +79,20 @@ def target_problems(config: dict, target: Path) -> list[str]:
     except (OSError, ValueError) as error:
         return problems + [str(error)]
     try:
-        aux = resolve_aux_layer_ids(config["extract"]["aux_layer_ids"], int(text["num_hidden_layers"]))
-        vocab = min(int(config["vocab"]["draft_vocab_size"]), int(text["vocab_size"]))
-        DraftConfig.from_target_config(text, aux, vocab, config["train"]["draft"])
+        dflash = config["dflash"]
+        aux = resolve_aux_layer_ids(config["extract"]["aux_layer_ids"], int(text["num_hidden_layers"]),
+                                    config["train"]["method"], dflash["num_hidden_layers"])
+        if config["train"]["method"] == "dflash":
+            # the default mask row needs the tokenizer; the extraction and training check it
+            mask = dflash["mask_token_id"] if dflash["mask_token_id"] is not None else 0
+            DFlashConfig.from_target_config(text, dflash["block_size"], mask, dflash["num_hidden_layers"],
+                                            aux, dflash["draft"])
+        else:
+            vocab = min(int(config["vocab"]["draft_vocab_size"]), int(text["vocab_size"]))
+            DraftConfig.from_target_config(text, aux, vocab, config["train"]["draft"])
     except KeyError as error:
         problems.append(f"{target / 'config.json'}: no {error} (the draft is derived from it)")
-    except (TypeError, ValueError) as error:   # aux ids out of range, a bad train.draft value
+    except (TypeError, ValueError) as error:   # aux ids out of range, a bad train.draft/dflash value
         problems.append(f"{target / 'config.json'}: {error}")
     return problems
 

@@ -83,8 +83,10 @@ def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict |
         "agreement": agreement,
         "agreement_ok": agreement is not None and abs(agreement - 1.0) <= tolerance,
         "round_agreement": round_agreement(at_k, spec_set["outputs"]),
+        # every K the replays hold (a DFlash draft's: its one K)
         "acceptance_length_vs_k": {str(j): replay_totals(set_replays, j)["acceptance_length"]
-                                   for j in range(1, max_k + 1)},
+                                   for j in sorted(int(x) for x in set_replays[0]["by_k"])
+                                   if j <= max_k} if set_replays else {},
         "per_prompt": per_prompt(at_k, base_set["outputs"], spec_set["outputs"]),
     }
 

@@ -57,8 +57,9 @@ from eagle3flow.eval.at_temperature import temperature_key, temperature_row
 from eagle3flow.eval.agreement import compare_outputs, lossless_text
 from eagle3flow.eval.cache import cached_vllm_run, dir_stamp, fingerprint
 from eagle3flow.eval.prompt_sets import load_prompt_set, longest_context
-from eagle3flow.eval.replay import (REPLAY_VERSION, estimate_at_temperature, read_draft_config,
-                                    replay_decision, resolve_precision, simulate_on_outputs)
+from eagle3flow.eval.dflash_replay import simulate_dflash_on_outputs
+from eagle3flow.eval.replay import (REPLAY_VERSION, draft_layer_ids, draft_method, estimate_at_temperature,
+                                    read_draft_config, replay_decision, resolve_precision, simulate_on_outputs)
 from eagle3flow.progress import Progress
 from eagle3flow.target.remote_code import check_remote_code
 from eagle3flow.target.tokenizer import load_tokenizer
@@ -151,7 +152,6 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     if not Path(eval_prompts_jsonl).is_file():
         raise FileNotFoundError(f"{eval_prompts_jsonl}: eval prompts file missing")
     sampled = sampled_temperatures(o)
-    max_k = max(k, int(o.replay_max_k or k))
     sweep = sorted({int(x) for x in (o.vllm_sweep_k or [])})
     if any(x < 1 for x in sweep):
         raise ValueError(f"vllm_sweep_k: every K must be >= 1, got {sweep}")
@@ -162,6 +162,9 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
                              f"{draft_name!r}); pick another")
         drafts[name] = Path(path)
     draft_configs = {name: read_draft_config(path) for name, path in drafts.items()}
+    methods = {name: draft_method(c) for name, c in draft_configs.items()}
+    k = dflash_k(draft_configs, methods, k)
+    max_k = max(k, int(o.replay_max_k or k)) if methods[draft_name] == "eagle3" else k
     # Optional sets whose file is there (MT-bench beside a checkout), then the required ones.
     extra_sets = {**{name: path for name, path in (o.optional_prompt_sets or {}).items() if Path(path).is_file()},
                   **(o.prompt_sets or {})}
@@ -203,9 +206,11 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "sample_seed": int(o.sample_seed)} if sampled else {}),
     }
 
+    name_of = {path: name for name, path in drafts.items()}
+
     def spec_request(path: Path, num_tokens: int) -> dict:
         request = dict(base_request, speculative_config={
-            "method": "eagle3", "model": str(Path(path).resolve()),
+            "method": methods[name_of[path]], "model": str(Path(path).resolve()),
             "num_speculative_tokens": int(num_tokens)}, draft_stamp=dir_stamp(path))
         if not sampled:
             return request
@@ -248,6 +253,14 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
                                   dir_stamp(path), max_k, dtype_name, torch_device.type])
         replay_file = ("replay.jsonl" if name == draft_name
                        else f"replay_{safe_name(name)}.jsonl")
+        if methods[name] == "dflash":
+            by_draft[name] = simulate_dflash_on_outputs(path, target_path, units, k, o.device, o.dtype,
+                                                        out_dir / replay_file, replay_key, loaded,
+                                                        label=f"replay {name}", trust_remote_code=trust_remote_code)
+            if sampled:
+                print(f"evaluate: no offline estimate at temperature for the DFlash draft {name!r} (EAGLE-3 "
+                      "drafts only); vLLM's acceptance and the lossless test still run", file=sys.stderr)
+            continue
         by_draft[name] = simulate_on_outputs(path, target_path, units, max_k, o.device, o.dtype,
                                              out_dir / replay_file, replay_key, loaded,
                                              label=f"replay {name}", trust_remote_code=trust_remote_code)
@@ -283,7 +296,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     k_sweep = {set_name: by_name[draft_name] for set_name, by_name in k_sweep_by_draft.items()}
 
     eval_split = None
-    if eval_manifest is not None:
+    if eval_manifest is not None and methods[draft_name] == "eagle3":   # DFlash: the trainer's eval.json
         eval_split = evaluate_eval_split(draft_dir, target_path, eval_manifest, max_k, torch_device,
                                          o.eval_split_max_tokens)
 
@@ -299,7 +312,8 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "vllm_version": speculative["vllm_version"], "draft": str(draft_dir),
             "target": str(target_path), "eval_prompts": str(eval_prompts_jsonl),
             "eval_manifest": str(eval_manifest) if eval_manifest is not None else None,
-            "aux_layer_ids": draft_configs[draft_name]["eagle_aux_hidden_state_layer_ids"],
+            "aux_layer_ids": draft_layer_ids(draft_configs[draft_name]),
+            "method": methods[draft_name], "methods": methods,
             "replay": replay,
             "temperatures": [0.0] + sampled,
             **({"samples_per_prompt": int(o.samples_per_prompt), "sample_seed": int(o.sample_seed),
@@ -340,6 +354,23 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     write_json(out_json, summary)
     print(format_summary(summary), file=sys.stderr, flush=True)
     return summary
+
+
+def dflash_k(draft_configs: dict, methods: dict, k: int) -> int:
+    """The K every draft is served at: evaluate.num_speculative_tokens, or where a DFlash
+    draft is among them its ``block_size - 1`` (a DFlash draft proposes its whole block;
+    the others are served at the same K, so the drafts compare at equal K)."""
+    blocks = {name: int(draft_configs[name]["block_size"]) - 1 for name, m in methods.items() if m == "dflash"}
+    if not blocks:
+        return k
+    if len(set(blocks.values())) > 1:
+        raise ValueError(f"evaluate: DFlash drafts of different block sizes {blocks} (K = block_size - 1) "
+                         "cannot be served at one K; compare them in separate evaluations")
+    dflash = next(iter(blocks.values()))
+    if dflash != k:
+        print(f"evaluate: serving at K = {dflash} (the DFlash draft's block_size - 1), not "
+              f"evaluate.num_speculative_tokens {k}", file=sys.stderr, flush=True)
+    return dflash
 
 
 def sampled_temperatures(o: EvalOptions) -> list[float]:

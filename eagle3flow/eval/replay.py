@@ -20,6 +20,8 @@ from eagle3flow.export.load import load_exported_draft
 from eagle3flow.device import resolve_device
 from eagle3flow.extract.extraction import resolve_dtype
 from eagle3flow.extract.hf import capture, load_target
+from eagle3flow.layers import from_layer_outputs
+from eagle3flow.model.dflash_config import DFLASH_ARCHITECTURE
 from eagle3flow.train.rejection_estimate import expected_acceptance, step_acceptance, tempered
 from eagle3flow.progress import Progress
 from eagle3flow.target.files import loaded_weight_bytes
@@ -92,9 +94,25 @@ def read_draft_config(draft_dir: Path) -> dict:
         raise FileNotFoundError(f"{draft_dir}/model.safetensors: missing")
     with open(config_file) as f:
         config = json.load(f)
-    if not config.get("eagle_aux_hidden_state_layer_ids"):
+    if draft_method(config) == "dflash":
+        if not (config.get("dflash_config") or {}).get("target_layer_ids"):
+            raise ValueError(f"{config_file}: a DFlash draft without dflash_config.target_layer_ids")
+    elif not config.get("eagle_aux_hidden_state_layer_ids"):
         raise ValueError(f"{config_file}: no top-level eagle_aux_hidden_state_layer_ids")
     return config
+
+
+def draft_method(config: dict) -> str:
+    """vLLM's ``speculative_config.method`` for an exported draft's ``config.json``."""
+    return "dflash" if DFLASH_ARCHITECTURE in (config.get("architectures") or []) else "eagle3"
+
+
+def draft_layer_ids(config: dict) -> list[int]:
+    """The target layers an exported draft reads, in this project's convention
+    (eagle3flow/layers.py): EAGLE-3's top-level ids, or DFlash's layer outputs converted."""
+    if draft_method(config) == "dflash":
+        return from_layer_outputs(config["dflash_config"]["target_layer_ids"])
+    return list(config["eagle_aux_hidden_state_layer_ids"])
 
 
 
@@ -154,18 +172,19 @@ def load_replays(path: Path, key: str) -> dict[str, dict]:
     return done
 
 
-def _per_answer(draft_dir: Path, target_path: Path, units: list[dict], device: str, dtype: str,
+def per_answer(draft_dir: Path, target_path: Path, units: list[dict], device: str, dtype: str,
                 path: Path, key: str, loaded: dict, label: str, trust_remote_code: bool, by_k,
-                describe: str | None = None) -> dict[str, dict]:
+                describe: str | None = None, load_draft=None) -> dict[str, dict]:
     """``by_k(target, draft, aux_layer_ids, ids, prompt_len, torch_device)`` on each answer of
     ``units`` not yet in ``path`` under ``key``, each row appended as soon as it is done
-    (resume); the HF target is loaded once into ``loaded`` (shared across drafts). Returns
-    ``{unit key: {"by_k": ...}}``."""
+    (resume); the HF target is loaded once into ``loaded`` (shared across drafts).
+    ``load_draft(draft_dir, target_path, dtype, device)``: how the draft loads (default: an
+    exported EAGLE-3 draft). Returns ``{unit key: {"by_k": ...}}``."""
     done = load_replays(path, key)
     todo = [u for u in units if u["key"] not in done]
     if todo:
         torch_device, torch_dtype, _ = resolve_precision(device, dtype)
-        aux_layer_ids = read_draft_config(draft_dir)["eagle_aux_hidden_state_layer_ids"]
+        aux_layer_ids = draft_layer_ids(read_draft_config(draft_dir))
         if describe:
             print(f"evaluate: {label} on {torch_device} ({torch_dtype}), aux layers {aux_layer_ids}, "
                   f"{describe}, {len(done)} of {len(units)} generations cached",
@@ -174,8 +193,10 @@ def _per_answer(draft_dir: Path, target_path: Path, units: list[dict], device: s
         if target_key not in loaded:
             loaded[target_key] = load_target(target_path, torch_dtype, torch_device, trust_remote_code)
         target = loaded[target_key]
-        draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype,
-                                    device=torch_device).eval()
+        if load_draft is None:
+            draft = load_exported_draft(draft_dir, target_path, dtype=torch_dtype, device=torch_device).eval()
+        else:
+            draft = load_draft(draft_dir, target_path, torch_dtype, torch_device)
         progress = Progress(f"evaluate[{label}]", total=len(units), unit="generations",
                             done=len(done))
         with open(path, "a") as f:
@@ -214,7 +235,7 @@ def simulate_on_outputs(draft_dir: Path, target_path: Path, units: list[dict], m
         return {str(k): replay_greedy_speculation(chains[:, :k], ids, prompt_len)
                 for k in range(1, max_k + 1)}
 
-    return _per_answer(draft_dir, target_path, units, device, dtype, replay_path, key,
+    return per_answer(draft_dir, target_path, units, device, dtype, replay_path, key,
                        {} if loaded is None else loaded, label, trust_remote_code, by_k,
                        describe=f"K=1..{max_k}")
 
@@ -266,5 +287,5 @@ def estimate_at_temperature(draft_dir: Path, target_path: Path, units: list[dict
         return {str(k): expected_acceptance([a[:k] for a in alpha], prompt_len, len(ids))
                 for k in range(1, max_k + 1)}
 
-    return _per_answer(draft_dir, target_path, units, device, dtype, estimate_path, key, loaded,
+    return per_answer(draft_dir, target_path, units, device, dtype, estimate_path, key, loaded,
                        label, trust_remote_code, by_k)

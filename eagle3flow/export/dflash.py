@@ -21,13 +21,13 @@ from eagle3flow.atomic import replacing, write_json
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig
 from eagle3flow.target.weights import target_dtype
-from eagle3flow.train.dflash_train import build_dflash_draft
+from eagle3flow.train.dflash_train import build_dflash_draft, read_train_config
 
 
 def export_dflash(train_dir: str | Path, target_path: str | Path, out_dir: str | Path) -> Path:
     """Write ``config.json`` + ``model.safetensors`` of the draft in ``train_dir``; returns ``out_dir``."""
     train_dir, out_dir = Path(train_dir), Path(out_dir)
-    cfg = DFlashConfig.from_dict(json.loads((train_dir / "dflash_config.json").read_text()))
+    cfg = read_train_config(train_dir)
     weights = load_file(str(train_dir / "draft.safetensors"))
     names = cfg.exported_param_names()
     missing = [n for n in names if n not in weights]
@@ -61,7 +61,7 @@ def load_exported_dflash(draft_dir: str | Path, target_path: str | Path,
 def main(argv=None) -> None:
     """CLI: ``python -m eagle3flow.export.dflash --train-dir DIR --target DIR --out-dir DIR``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + dflash_config.json")
+    parser.add_argument("--train-dir", required=True, help="holds draft.safetensors + draft_config.json (the DFlash trainer's)")
     parser.add_argument("--target", required=True, help="target model dir (its dtype decides the export dtype)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)

@@ -37,8 +37,10 @@ def main(argv=None) -> None:
     --config-json is the config's extract section (dtype, storage_dtype, device, backend,
     batch_tokens, shard_tokens, aux_layer_ids, partitions) with the dataset section's
     max_length and length_policy, resources.gpus (vLLM's tensor parallelism; 0 = every
-    visible GPU, 1 on the CPU) and target.trust_remote_code (trust_remote_code: run the
-    target's own code); what it leaves out takes the schema's default.
+    visible GPU, 1 on the CPU), target.trust_remote_code (trust_remote_code: run the
+    target's own code), train.method and dflash.num_hidden_layers (draft_method,
+    dflash_layers: whose default layers aux_layer_ids null means); what it leaves out takes
+    the schema's default.
     With partitions N, this job extracts only the K-th of N runs of shards (0-based)
     and its manifest lists only those; `python -m eagle3flow.extract.shards merge` joins them.
     """
@@ -74,7 +76,8 @@ def main(argv=None) -> None:
                 length_policy=settings["length_policy"], storage_dtype=settings["storage_dtype"],
                 split_name=split_name, partition=(args.partition, settings["partitions"]),
                 fingerprint_extra=vllm_backend.FINGERPRINT if use_vllm else None,
-                trust_remote_code=settings["trust_remote_code"])
+                trust_remote_code=settings["trust_remote_code"],
+                draft_method=settings["draft_method"], dflash_layers=settings["dflash_layers"])
         for dataset, manifest, split_name in zip(args.dataset, args.manifest, split_names)]
     check_disk_room(extractions)
     if use_vllm:

@@ -151,8 +151,12 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
             shard_tokens: int = 32768, max_length: int | None = None,
             length_policy: str = "truncate", storage_dtype: str = "auto",
             split_name: str = "train", partition: tuple[int, int] = (0, 1),
-            fingerprint_extra: dict | None = None, trust_remote_code: bool = False) -> Extraction:
+            fingerprint_extra: dict | None = None, trust_remote_code: bool = False,
+            draft_method: str = "eagle3", dflash_layers: int = 1) -> Extraction:
     """Everything before the model: check the inputs, plan the shards, find the cached ones.
+
+    ``aux_layer_ids`` None: the default layers of a ``draft_method`` draft
+    (eagle3flow/layers.py default_layer_ids; ``dflash_layers``: the DFlash draft's depth).
 
     Fails early, naming the file/row/field, on a missing dataset or target, a target
     without weights, layer ids out of range, a bad row or an empty dataset. Samples
@@ -174,7 +178,7 @@ def prepare(dataset_parquet, target_path, manifest_out, cache_root, aux_layer_id
     check_remote_code(target_path, trust_remote_code)
     text_config = read_target_config(target_path)
     num_layers, hidden_size = int(text_config["num_hidden_layers"]), int(text_config["hidden_size"])
-    aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers)
+    aux_layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers, draft_method, dflash_layers)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     dtype_name = str(torch_dtype).removeprefix("torch.")

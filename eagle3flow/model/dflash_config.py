@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from eagle3flow.layers import from_layer_outputs, to_layer_outputs
+from eagle3flow.layers import default_dflash_layer_ids, from_layer_outputs, to_layer_outputs
 from eagle3flow.target.config import text_config
 
 # vLLM's registry maps this architecture to qwen3_dflash.DFlashQwen3ForCausalLM.
@@ -25,19 +25,6 @@ LAYER_PARAM_NAMES = (
     "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
 )
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash paper's choice in this project's convention: as many target layers as
-    draft layers, spread evenly over the outputs of layers ``1..N-3`` (one draft layer:
-    the middle layer's output), i.e. aux ids ``2..N-2``."""
-    if num_target_layers < 4:
-        raise ValueError(f"DFlash needs a target with at least 4 decoder layers, got {num_target_layers}")
-    if num_draft_layers == 1:
-        return from_layer_outputs([num_target_layers // 2])
-    start, end = 1, num_target_layers - 3
-    outputs = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-    return from_layer_outputs(sorted(set(outputs)))
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -98,7 +85,7 @@ class DFlashConfig:
                            overrides: dict | None = None) -> "DFlashConfig":
         """A draft of the target's layer shape (heads, KV heads, head_dim, FFN width,
         rope) with ``num_hidden_layers`` layers, fed ``target_layer_ids`` (default: the
-        paper's, :func:`default_target_layer_ids`). ``overrides`` replaces any other field."""
+        paper's, eagle3flow/layers.py :func:`default_dflash_layer_ids`). ``overrides`` replaces any other field."""
         cfg = text_config(target_config)
         if "kv_lora_rank" in cfg:
             # An MLA target still gets a GQA draft (the DFlash draft's attention need not follow
@@ -115,7 +102,7 @@ class DFlashConfig:
         if rope_scaling and rope_scaling["rope_type"] not in ("llama3", "linear", "dynamic"):
             raise ValueError(f"DFlash draft: rope {rope_scaling['rope_type']!r} is not supported yet")
         num_layers = int(cfg["num_hidden_layers"])
-        ids = (default_target_layer_ids(num_layers, num_hidden_layers) if target_layer_ids is None
+        ids = (default_dflash_layer_ids(num_layers, num_hidden_layers) if target_layer_ids is None
                else sorted(set(int(k) for k in target_layer_ids)))
         bad = [k for k in ids if not 0 <= k <= num_layers - 1]
         if bad:
@@ -198,6 +185,13 @@ class DFlashConfig:
                    rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
                    torch_dtype=hf.get("torch_dtype", "bfloat16"),
                    extra={k: v for k, v in hf.items() if k not in known})
+
+    def trainable_params(self) -> int:
+        """Parameters trained (and exported): fc, the norms and the decoder layers; not the
+        target's embeddings and lm_head."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        layer = 2 * h + h * q + 2 * h * kv + q * h + 2 * self.head_dim + 3 * h * self.intermediate_size
+        return self.num_aux * self.target_hidden_size * h + 2 * h + self.num_hidden_layers * layer
 
     def exported_param_names(self) -> tuple[str, ...]:
         """The tensors an exported draft holds, by the names qwen3_dflash.py maps."""

@@ -33,6 +33,7 @@ from eagle3flow.config import MODEL_CARD_BORROWED, cli_settings
 from eagle3flow.eval.temperature_table import temperature_note, temperature_rows
 from eagle3flow.eval.agreement import NEAR_TIE_RULE, lossless_cell
 from eagle3flow.layers import to_layer_outputs
+from eagle3flow.model.dflash_config import DFLASH_ARCHITECTURE
 from eagle3flow.export.sglang_contract import sglang_problems
 from eagle3flow.target.config import read_config_file
 
@@ -110,6 +111,62 @@ def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | N
     """The card. ``trust_remote_code``: the run had ``target.trust_remote_code`` on (the
     target ships its own code), so the serving commands need it too."""
     config = json.loads((draft_dir / "config.json").read_text())
+    if DFLASH_ARCHITECTURE in config.get("architectures", []):
+        lines = dflash_head(config, base_model, trust_remote_code)
+    else:
+        lines = eagle3_head(draft_dir, config, summary, vocab, base_model, trust_remote_code)
+    if dataset:
+        splits = dataset["splits"]
+        regenerated = (dataset.get("regenerated") or {}).get("samples", 0)
+        more = ((dataset.get("regenerated") or {}).get("more_answers") or {}).get("samples", 0)
+        lines += ["## Training data", "",
+                  f"{splits['train']['samples']:,} conversations ({splits['train']['tokens']:,} tokens) for training, "
+                  f"{splits['eval']['samples']:,} held out; "
+                  + (f"answers written by the target itself ({regenerated:,} regenerated"
+                     + (f", and {more:,} further answers to training prompts" if more else "") + ")."
+                     if regenerated else "the dataset's own answers."), ""]
+    if train_eval and train_eval.get("method") == "dflash":
+        accuracy = ", ".join(_num(a) for a in train_eval.get("slot_accuracy") or [])
+        lines += [f"Trained {train_eval.get('steps')} steps; on the held-out split, per block slot, the draft's "
+                  f"argmax equals the data's token at rates {accuracy}.", ""]
+    elif train_eval:
+        cfg = train_eval.get("train_config") or {}
+        lines += [f"Trained {train_eval.get('steps')} steps ({cfg.get('epochs')} epochs of {cfg.get('batch_tokens')}-"
+                  f"token batches, {cfg.get('ttt_steps')} TTT steps, {cfg.get('optimizer')} at lr {cfg.get('lr')}).", ""]
+    if summary:
+        lines += ["## Evaluation", ""] + evaluation_lines(summary) + [""]
+    return "\n".join(lines) + "\n"
+
+
+def dflash_head(config: dict, base_model: str, trust_remote_code: bool) -> list[str]:
+    """The card's front matter, serving and inputs sections for a DFlash draft."""
+    k = int(config["block_size"]) - 1
+    layers = config["dflash_config"]["target_layer_ids"]
+    trust = " --trust-remote-code" if trust_remote_code else ""
+    lines = ["---", f"base_model: {base_model}", "library_name: vllm", "pipeline_tag: text-generation", "tags:",
+             "- speculative-decoding", "- dflash", "- eagle3flow", "- draft-model", "---", "",
+             f"# DFlash draft for {base_model}", "",
+             f"A {config['num_hidden_layers']}-layer DFlash block draft ({DFLASH_ARCHITECTURE}) trained on "
+             f"{base_model}'s own hidden states by eagle3flow: it proposes a block of {k} tokens in one forward "
+             "pass. It speculates for that target only: the target verifies every token, so outputs are the "
+             "target's.", "", "## Serve it", ""]
+    if trust_remote_code:
+        lines += [f"{base_model} ships its own code (`auto_map`): the engine needs `--trust-remote-code`.", ""]
+    return lines + [
+        "vLLM:", "", "```bash", f"vllm serve {base_model}{trust} --speculative-config \\",
+        f"  '{{\"method\": \"dflash\", \"model\": \"<this directory or repo>\", \"num_speculative_tokens\": {k}}}'",
+        "```", "",
+        "## What it reads and predicts", "",
+        f"- Hidden states of the target's layers {layers} (outputs of those decoder layers, "
+        "`dflash_config.target_layer_ids`), the target's embeddings and lm_head (shared at serving; not "
+        "shipped).",
+        f"- Blocks of {config['block_size']}: the verified token and {k} mask tokens "
+        f"(`mask_token_id` {config['dflash_config']['mask_token_id']}), attended without a causal mask.", ""]
+
+
+def eagle3_head(draft_dir: Path, config: dict, summary: dict | None, vocab: dict, base_model: str,
+                trust_remote_code: bool) -> list[str]:
+    """The card's front matter, serving and inputs sections for an EAGLE-3 draft."""
     with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     ids = config["eagle_aux_hidden_state_layer_ids"]
@@ -150,23 +207,7 @@ def render(draft_dir: Path, summary: dict | None, vocab: dict, dataset: dict | N
               f"assistant tokens of the training data (`d2t`/`t2d`).",
               f"- Architecture flags: " + (", ".join(f for f in ("norm_before_fc", "fc_norm", "norm_before_residual",
                                                                  "norm_output") if config.get(f)) or "none"), ""]
-    if dataset:
-        splits = dataset["splits"]
-        regenerated = (dataset.get("regenerated") or {}).get("samples", 0)
-        more = ((dataset.get("regenerated") or {}).get("more_answers") or {}).get("samples", 0)
-        lines += ["## Training data", "",
-                  f"{splits['train']['samples']:,} conversations ({splits['train']['tokens']:,} tokens) for training, "
-                  f"{splits['eval']['samples']:,} held out; "
-                  + (f"answers written by the target itself ({regenerated:,} regenerated"
-                     + (f", and {more:,} further answers to training prompts" if more else "") + ")."
-                     if regenerated else "the dataset's own answers."), ""]
-    if train_eval:
-        cfg = train_eval.get("train_config") or {}
-        lines += [f"Trained {train_eval.get('steps')} steps ({cfg.get('epochs')} epochs of {cfg.get('batch_tokens')}-"
-                  f"token batches, {cfg.get('ttt_steps')} TTT steps, {cfg.get('optimizer')} at lr {cfg.get('lr')}).", ""]
-    if summary:
-        lines += ["## Evaluation", ""] + evaluation_lines(summary) + [""]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def base_model_name(target: str, configured: str | None) -> str:

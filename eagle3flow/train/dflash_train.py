@@ -1,26 +1,34 @@
-"""A first DFlash trainer: the draft built from the target, trained on hidden-state shards
-in memory, on the CPU in float32, reproducibly (seeded anchors, batches and init), and
-saved as a train dir (``draft.safetensors`` + ``dflash_config.json``) that
+"""The DFlash trainer: the draft built from the target, trained on hidden-state shards,
+reproducibly (seeded anchors, batches and init), checkpointed into the cache and resumed
+from the last checkpoint (bitwise on the CPU), and saved as the workflow's train dir
+(``draft.safetensors`` + ``draft_config.json`` + ``metrics.jsonl`` + ``eval.json``) that
 eagle3flow/export/dflash.py exports.
 
-Small by design (the workflow's trainer, with its cache, resume, streaming and CUDA fast
-paths, takes DFlash later): it is what the tests and first measurements train with.
+The samples are held in memory (the DFlash draft is small and the first targets are);
+on CUDA the step runs under bf16 autocast with fp32 master weights. Streaming and several
+processes are the EAGLE-3 trainer's only (eagle3flow/config.py refuses them with dflash).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.atomic import replacing, write_json
+from eagle3flow.config import TARGET_BORROWED, cli_settings
+from eagle3flow.device import limit_cpu_threads, resolve_device
 from eagle3flow.extract import shards
+from eagle3flow.progress import Progress
 from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.dflash_config import DFlashConfig, default_loss_gamma
 from eagle3flow.target.config import load_target_config
+from eagle3flow.target.identity import target_digest
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
@@ -56,12 +64,22 @@ def pack(samples: list[dict]) -> dict:
             "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float = 3e-3,
                  samples_per_step: int = 8, anchors_per_sample: int = 16, gamma: float | None = None,
-                 target: str = "hard", seed: int = 0, log_every: int = 0) -> list[dict]:
+                 target: str = "hard", seed: int = 0, log_every: int = 0, checkpoint=None,
+                 checkpoint_every: int = 0, resume: dict | None = None) -> list[dict]:
     """AdamW (cosine decay to 10%) for ``steps`` steps over ``samples``, in a seeded
-    order; returns each step's ``{"step", "loss", ...stats}``."""
+    order; returns each step's ``{"step", "loss", ...stats}``. On CUDA (the model's device)
+    under bf16 autocast. ``checkpoint(step, state)`` is called every ``checkpoint_every``
+    steps with everything a resumed run needs; ``resume`` (such a state) continues from it,
+    bitwise on the CPU."""
     cfg = model.config
+    device = model.fc.weight.device
+    autocast = device.type == "cuda"
     gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -69,43 +87,112 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / max(steps, 1))).item()))
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
-    history = []
+    history: list[dict] = []
+    start = 0
+    if resume is not None:
+        model.load_state_dict(resume["model"], strict=False)
+        optimizer.load_state_dict(resume["optimizer"])
+        schedule.load_state_dict(resume["schedule"])
+        generator.set_state(resume["generator"])
+        order, history, start = list(resume["order"]), list(resume["history"]), int(resume["step"])
+    progress = Progress("train[dflash]", total=steps, unit="steps", done=start)
     model.train()
-    for step in range(steps):
+    for step in range(start, steps):
         if len(order) < samples_per_step:
             order += torch.randperm(len(samples), generator=generator).tolist()
         chosen, order = order[:samples_per_step], order[samples_per_step:]
+        step_start = time.perf_counter()
         batch = pack([samples[i] for i in chosen])
         anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
-        loss, stats = dflash_loss(model, batch, anchors, gamma, target)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss, stats = dflash_loss(model, _to(batch, device), anchors.to(device), gamma, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        history.append({"step": step, "loss": float(loss.detach()), **stats})
+        loss_value = float(loss.detach())      # waits for the step: the rate below is the step's
+        # step_acc / tokens_per_s: the keys the report reads of any trainer's metrics.jsonl (per
+        # block slot here; context rows of hidden states a second)
+        history.append({"step": step, "loss": loss_value, "lr": schedule.get_last_lr()[0],
+                        "step_acc": stats["slot_accuracy"],
+                        "tokens_per_s": int(batch["input_ids"].numel()) / (time.perf_counter() - step_start),
+                        **stats})
+        progress.update(1, extra=f"loss {history[-1]['loss']:.4f}")
         if log_every and step % log_every == 0:
             print(f"dflash step {step}: loss {history[-1]['loss']:.4f} slot accuracy "
                   f"{[round(a, 3) for a in stats['slot_accuracy']]}", flush=True)
+        if checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            checkpoint(step + 1, {"step": step + 1, "model": model.trainable_state_dict(),
+                                  "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                                  "generator": generator.get_state(), "order": order, "history": history})
+    progress.close()
     model.eval()
     return history
 
 
+@torch.no_grad()
+def evaluate_dflash(model: DFlashDraft, samples: list[dict], anchors_per_sample: int, gamma: float | None,
+                    target: str = "hard", seed: int = 0, samples_per_batch: int = 8) -> dict:
+    """The block loss and per-slot accuracy (the draft's argmax = the data's token) on
+    ``samples`` (the eval split), at seeded anchors: ``{"loss", "slot_accuracy",
+    "slot_rows", "num_samples", "anchors"}``."""
+    cfg = model.config
+    device = model.fc.weight.device
+    gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
+    generator = torch.Generator().manual_seed(seed)
+    hits = [0.0] * cfg.num_speculative_tokens
+    rows = [0] * cfg.num_speculative_tokens
+    loss_sum = weight_sum = 0.0
+    anchors_total = 0
+    for i in range(0, len(samples), samples_per_batch):
+        batch = pack(samples[i:i + samples_per_batch])
+        anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
+        if not anchors.numel():
+            continue
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, stats = dflash_loss(model, _to(batch, device), anchors.to(device), gamma, target)
+        scored = sum(stats["slot_rows"])
+        loss_sum += float(loss) * scored
+        weight_sum += scored
+        anchors_total += stats["anchors"]
+        for k, (acc, n) in enumerate(zip(stats["slot_accuracy"], stats["slot_rows"])):
+            hits[k] += acc * n
+            rows[k] += n
+    return {"loss": loss_sum / weight_sum if weight_sum else None,
+            "slot_accuracy": [h / n if n else None for h, n in zip(hits, rows)], "slot_rows": rows,
+            "num_samples": len(samples), "anchors": anchors_total}
+
+
+# The train dir's config file: the name the EAGLE-3 trainer's train dir uses, so the
+# workflow's train_draft outputs are the same files whichever draft it trains.
+TRAIN_CONFIG = "draft_config.json"
+
+
+def read_train_config(train_dir: str | Path) -> DFlashConfig:
+    path = Path(train_dir) / TRAIN_CONFIG
+    data = json.loads(path.read_text())
+    if "block_size" not in data or "mask_token_id" not in data:
+        raise ValueError(f"{path}: not a DFlash draft's config (no block_size / mask_token_id): "
+                         "an EAGLE-3 train dir? (train.method)")
+    return DFlashConfig.from_dict(data)
+
+
 def save_train_dir(model: DFlashDraft, out_dir: str | Path) -> Path:
-    """``draft.safetensors`` (the exported tensors, float32) + ``dflash_config.json``."""
+    """``draft.safetensors`` (the exported tensors, float32) + ``draft_config.json`` (the
+    :class:`DFlashConfig`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with replacing(out_dir / "draft.safetensors") as tmp:
         save_file({k: v.float().contiguous() for k, v in model.trainable_state_dict().items()}, str(tmp))
-    write_json(out_dir / "dflash_config.json", model.config.to_dict())
+    write_json(out_dir / TRAIN_CONFIG, model.config.to_dict())
     return out_dir
 
 
 def load_train_dir(train_dir: str | Path, target_path: str | Path) -> DFlashDraft:
     """A saved train dir back as a draft, its frozen parts from the target."""
     train_dir = Path(train_dir)
-    cfg = DFlashConfig.from_dict(json.loads((train_dir / "dflash_config.json").read_text()))
-    model = build_dflash_draft(target_path, cfg, seed=0)
+    model = build_dflash_draft(target_path, read_train_config(train_dir), seed=0)
     missing, unexpected = model.load_state_dict(load_file(str(train_dir / "draft.safetensors")), strict=False)
     missing = [m for m in missing if m not in DFlashDraft.FROZEN]
     if missing or unexpected:
@@ -127,39 +214,90 @@ def default_mask_token_id(target_path: str | Path, trust_remote_code: bool = Fal
                      "DFlash mask; set mask_token_id to a token the data never holds")
 
 
-SETTINGS = {"block_size": 16, "mask_token_id": None, "num_hidden_layers": 1, "target_layer_ids": None,
-            "steps": 1000, "lr": 3e-3, "samples_per_step": 8, "anchors_per_sample": 16, "gamma": None,
-            "target": "hard", "seed": 0, "draft": {}}
+def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: torch.device) -> str:
+    """What determines the trained weights: the settings (less where the checkpoints go and
+    how often), the train split's manifest, the target's identity and the device type."""
+    given = {k: v for k, v in settings.items() if k not in ("checkpoint_every", "device", "trust_remote_code")}
+    key = {"version": 1, "settings": given, "manifest": shards.sha256_file(train_manifest),
+           "target": target_digest(target), "device": device.type}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted(run_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return found[-1] if found else None
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int = 2) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with replacing(run_dir / f"step-{step}.pt") as tmp:
+        torch.save(state, tmp)
+    for old in sorted(run_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
+        old.unlink()
+
+
+def write_metrics(path: Path, history: list[dict]) -> None:
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        for row in history:
+            f.write(json.dumps(row) + "\n")
 
 
 def main(argv=None) -> None:
-    """CLI: ``python -m eagle3flow.train.dflash_train --manifest M --target DIR --out-dir DIR
-    [--config-json '{"block_size": 8, ...}']`` (keys: :data:`SETTINGS`; ``draft``: config
-    overrides). Trains on the CPU in float32 and writes the train dir."""
+    """CLI: ``python -m eagle3flow.train.dflash_train --train-manifest M --eval-manifest M
+    --target DIR --out-dir DIR --cache-root DIR [--config-json '{"block_size": 8, ...}']``
+    (the config's dflash section and target.trust_remote_code). The draft reads the layers
+    the manifests hold; checkpoints go to CACHE_ROOT/<fingerprint>/ and a rerun resumes
+    from the last. Writes the train dir: draft.safetensors, draft_config.json,
+    metrics.jsonl, eval.json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--manifest", required=True, help="hidden states of the draft's target layers")
+    parser.add_argument("--train-manifest", required=True, help="hidden states of the draft's target layers")
+    parser.add_argument("--eval-manifest", required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--cache-root", required=True)
     parser.add_argument("--config-json", default="{}")
     args = parser.parse_args(argv)
-    given = json.loads(args.config_json)
-    unknown = sorted(set(given) - set(SETTINGS))
-    if unknown:
-        parser.error(f"unknown DFlash settings {unknown} (known: {sorted(SETTINGS)})")
-    settings = {**SETTINGS, **given}
+    settings = cli_settings(parser, "dflash", args.config_json, borrowed=TARGET_BORROWED)
+    limit_cpu_threads()
+    target, train_manifest = Path(args.target), Path(args.train_manifest)
+    manifests = {name: shards.load_manifest(path) for name, path in
+                 (("train", train_manifest), ("eval", Path(args.eval_manifest)))}
+    layers = manifests["train"].aux_layer_ids
+    if manifests["eval"].aux_layer_ids != layers:
+        raise ValueError(f"{args.eval_manifest}: layers {manifests['eval'].aux_layer_ids}, the train split's "
+                         f"{layers}: extract both with the same extract.aux_layer_ids")
     mask = settings["mask_token_id"]
-    cfg = DFlashConfig.from_target_config(
-        load_target_config(args.target), settings["block_size"],
-        default_mask_token_id(args.target) if mask is None else mask, settings["num_hidden_layers"],
-        settings["target_layer_ids"], settings["draft"])
-    model = build_dflash_draft(args.target, cfg, settings["seed"])
+    if mask is None:
+        mask = default_mask_token_id(target, settings["trust_remote_code"])
+    cfg = DFlashConfig.from_target_config(load_target_config(target), settings["block_size"], mask,
+                                          settings["num_hidden_layers"], layers, settings["draft"])
+    device = resolve_device(settings["device"])
+    model = build_dflash_draft(target, cfg, settings["seed"]).to(device)
     if not model.embed_tokens.weight[cfg.mask_token_id].any():
         print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
               "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
-    train_dflash(model, load_samples(args.manifest, cfg), settings["steps"], settings["lr"],
-                 settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
-                 settings["target"], settings["seed"], log_every=max(settings["steps"] // 20, 1))
-    save_train_dir(model, args.out_dir)
+    run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device)
+    last = latest_checkpoint(run_dir)
+    resume = torch.load(last, map_location=device, weights_only=False) if last else None
+    print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
+          f"mask {cfg.mask_token_id}, on {device}; checkpoints in {run_dir}"
+          + (f"; resuming from {last.name} (step {resume['step']}/{settings['steps']})" if resume else ""),
+          file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    history = train_dflash(model, list(manifests["train"].iter_samples()), settings["steps"], settings["lr"],
+                           settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
+                           settings["loss_target"], settings["seed"], log_every=max(settings["steps"] // 20, 1),
+                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state),
+                           checkpoint_every=settings["checkpoint_every"], resume=resume)
+    evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
+                                 settings["gamma"], settings["loss_target"], settings["seed"])
+    out_dir = Path(args.out_dir)
+    save_train_dir(model, out_dir)
+    write_metrics(out_dir / "metrics.jsonl", history)
+    write_json(out_dir / "eval.json", {"method": "dflash", **evaluation, "steps": settings["steps"],
+                                       "train_s_this_run": time.monotonic() - t0})
+    print(f"dflash: eval loss {evaluation['loss']}, slot accuracy "
+          f"{[round(a, 3) for a in evaluation['slot_accuracy'] if a is not None]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

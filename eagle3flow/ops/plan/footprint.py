@@ -5,7 +5,7 @@ DraftConfig training builds; the shard formula mirrors eagle3flow/extract/shards
 tests/test_plan.py checks both against the real artifacts)."""
 from __future__ import annotations
 
-from eagle3flow.layers import default_aux_layer_ids
+from eagle3flow.layers import default_layer_ids
 from eagle3flow.model.config import DraftConfig
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -21,8 +21,9 @@ MUON_CHECKPOINT_BYTES_PER_PARAM = 8
 
 
 def aux_layer_ids(config: dict, target: dict) -> list[int]:
-    """extract.aux_layer_ids, or the default ids for the target's depth."""
-    return config["extract"].get("aux_layer_ids") or default_aux_layer_ids(int(target["num_hidden_layers"]))
+    """extract.aux_layer_ids, or the default ids of the draft kind for the target's depth."""
+    return config["extract"].get("aux_layer_ids") or default_layer_ids(
+        int(target["num_hidden_layers"]), config["train"]["method"], config["dflash"]["num_hidden_layers"])
 
 
 def storage_dtype(config: dict) -> str:

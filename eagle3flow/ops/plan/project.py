@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eagle3flow.config import default_temperatures
 from eagle3flow.ops import streaming
+from eagle3flow.model.dflash_config import DFlashConfig
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
 from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
@@ -140,18 +141,21 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
                        f"{r:,.0f} tokens/s, {rb}" + load_basis + f" + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
-    keep = int(train_cfg.get("keep_checkpoints", 2))
-    train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
-    steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
-    metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
-    r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
-    # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
-    # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
-    proj["train"] = (keep * checkpoint + draft_params * 4 + metrics_bytes,
-                     f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
-                     f"({train_cfg['optimizer']}) x {keep} checkpoints (+1 while one is written) + weights",
-                     train_tokens / r + ASSUMED_STAGE_START_S,
-                     f"{r:,.0f} tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
+    if train_cfg["method"] == "dflash":
+        draft_params, proj["train"] = dflash_train_projection(config, target, aux_ids, work, rate)
+    else:
+        keep = int(train_cfg.get("keep_checkpoints", 2))
+        train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
+        steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
+        metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
+        r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
+        # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
+        # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
+        proj["train"] = (keep * checkpoint + draft_params * 4 + metrics_bytes,
+                         f"{draft_params / 1e6:.2f}M draft params, {checkpoint / draft_params:.1f} B/param "
+                         f"({train_cfg['optimizer']}) x {keep} checkpoints (+1 while one is written) + weights",
+                         train_tokens / r + ASSUMED_STAGE_START_S,
+                         f"{r:,.0f} tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["export"] = (draft_params * export_bytes_per_param + vocab_map_bytes + 2000,
                       f"draft in {'float32' if export_bytes_per_param == 4 else 'bfloat16'}",
                       *scaled_seconds("export_draft", 0, ASSUMED_SECONDS["export"], "assumed"))
@@ -328,3 +332,28 @@ def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, 
     return plan
 
 
+# A DFlash checkpoint: fp32 weights and AdamW's two moments, plus the run's state.
+DFLASH_CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def dflash_train_projection(config: dict, target: dict, aux_ids: list[int], work: dict, rate):
+    """``(trainable params, (bytes, what, seconds, basis))`` of a DFlash draft's training
+    (train.method dflash). Per context row of a step: the context projections (fc, every
+    layer's k/v) run on every row, the layers and the frozen lm_head (forward and input
+    gradient) on the anchors' block slots only."""
+    d = config["dflash"]
+    cfg = DFlashConfig.from_target_config(target, d["block_size"], 0, d["num_hidden_layers"], aux_ids, d["draft"])
+    params = cfg.trainable_params()
+    sample_tokens = work["train_tokens"] / max(work["train_samples"], 1)
+    slot_share = min(1.0, d["anchors_per_sample"] * d["block_size"] / max(sample_tokens, 1.0))
+    context_params = cfg.num_aux * cfg.target_hidden_size * cfg.hidden_size + cfg.num_hidden_layers * 2 * (
+        cfg.hidden_size * cfg.num_key_value_heads * cfg.head_dim)
+    flops_per_token = 6 * context_params + slot_share * (6 * params + 4 * cfg.hidden_size * cfg.vocab_size)
+    r, rb = rate("train", flops_per_token)
+    rows = d["steps"] * d["samples_per_step"] * sample_tokens
+    checkpoints = 2 * params * DFLASH_CHECKPOINT_BYTES_PER_PARAM
+    return params, (checkpoints + params * 4 + d["steps"] * 400,
+                    f"DFlash: {params / 1e6:.2f}M draft params, {DFLASH_CHECKPOINT_BYTES_PER_PARAM} B/param "
+                    "x 2 checkpoints + weights",
+                    rows / r + ASSUMED_STAGE_START_S,
+                    f"{r:,.0f} context tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
