@@ -93,6 +93,11 @@ def test_embedded_default_end_to_end_with_kills(embedded_workflow, tmp_path):
     assert distinct >= 0.9 and median_tokens >= 32, (distinct, median_tokens)
     by_k = summary["acceptance_length_vs_k"]
     assert by_k["4"] > by_k["3"] and by_k["7"] > by_k["4"], by_k
+    # At temperature 1.0 (the embedded profile's evaluate.temperatures): lossless by the
+    # distributional test, and the offline estimate inside vLLM's interval.
+    hot = summary["by_temperature"]["1.0"]
+    assert hot["lossless"]["passed"] is True, hot["lossless"]
+    assert hot["vllm"]["ci_low"] is not None and hot["offline"]["within_ci"] is True, (hot["vllm"], hot["offline"])
 
     # The model card: Hub metadata and this run's evaluation table.
     import yaml

@@ -51,7 +51,12 @@ def fix_expand_kernel() -> str:
     if original is None:
         return "not needed (no CPU expand kernel in this vLLM)"
     try:
-        import vllm._C  # noqa: F401 - registers the C++ kernels the probe calls
+        # Registers the C++ kernels the probe calls. Through the platform, which picks the
+        # library this CPU runs (_C_AVX2 / _C_AVX512 / _C): importing vllm._C itself executes
+        # AVX-512 instructions and dies with SIGILL on an AVX2-only CPU.
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
         broken = expand_kernel_is_broken(original)
     except (ImportError, AttributeError, RuntimeError) as error:
         return f"not probed ({error})"

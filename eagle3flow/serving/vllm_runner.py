@@ -413,7 +413,7 @@ def generate(request: dict) -> dict:
     # spec-decode counts are subtracted below.
     llm.generate(first, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    progress = Progress("vllm[" + ("eagle3" if spec else "baseline") + "]",
+    progress = Progress("vllm[" + (spec["method"] if spec else "baseline") + "]",
                         total=sum(_num_generations(s) for s in sets), unit="generations")
     set_results = []
     for prompt_set in sets:
@@ -461,7 +461,7 @@ def sampled_run(llm, sets: list[dict], temperature: float, spec, tokenizer, requ
     n = int(request["samples_per_prompt"])
     if n < 1:
         raise ValueError(f"vLLM request: samples_per_prompt must be >= 1, got {n}")
-    progress = Progress(f"vllm[{'eagle3' if spec else 'baseline'} T={temperature:g}]",
+    progress = Progress(f"vllm[{spec['method'] if spec else 'baseline'} T={temperature:g}]",
                         total=sum(len(_first_turns(s, tokenizer, request)) * n for s in sets),
                         unit="generations")
     results = []

@@ -17,7 +17,7 @@ from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_che
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
 from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, measure, real_path,
                                         stage_outputs_exist)
-from eagle3flow.ops.plan.throughput import (extract_backend, extract_devices, measured_throughputs,
+from eagle3flow.ops.plan.throughput import (cpu_speed, extract_backend, extract_devices, measured_throughputs,
                                             profile_key, recorded_throughputs)
 from eagle3flow.ops.plan.workload import (EMBEDDED_BUILD_STEP_TOKENS, EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE,
                                           EMBEDDED_JSONL_BYTES_PER_TOKEN,
@@ -93,7 +93,11 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         # On the CPU a compute job holds every core of the node (rules/common.smk COMPUTE_THREADS).
         units = devices[stage] if gpus else usable_cores()
         flops = ASSUMED_FLOPS[(device_class, stage)] * max(units, 1)
-        return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on or f' on {units} core(s)'}"
+        if gpus:
+            return flops / flops_per_token, f"assumed {flops:.1e} FLOP/s{on}"
+        factor, host = cpu_speed()
+        return (flops * factor / flops_per_token,
+                f"assumed {flops * factor:.1e} FLOP/s on {units} core(s) ({host})")
 
     def scaled_seconds(rule: str, now_tokens: float, fallback: float, fallback_basis: str):
         """A small stage's seconds from its last benchmark, scaled by tokens when known."""
@@ -118,9 +122,11 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     elif config["target"]["path"] is None:
         emb_tokens = emb["max_conversations"] * EMBEDDED_TOKENS_PER_CONVERSATION
         b = total_params * 4 + int(emb_tokens * EMBEDDED_JSONL_BYTES_PER_TOKEN) + 300_000
-        build_rate = EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE * usable_cores()
+        factor, host = cpu_speed()
+        build_rate = EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE * usable_cores() * factor
         s, sb = scaled_seconds("build_embedded_target", 0, emb["train_steps"] * EMBEDDED_BUILD_STEP_TOKENS / build_rate,
-                               f"assumed {build_rate:,} tokens/s ({EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE:,} per core)")
+                               f"assumed {build_rate:,.0f} tokens/s ({EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE:,} per "
+                               f"core, {host})")
         proj["embedded target"] = (b, f"{total_params / 1e6:.1f}M fp32 params + conversations", s, sb)
     if (config.get("regenerate") or {}).get("enabled"):
         regen = work.get("regenerate") or {}

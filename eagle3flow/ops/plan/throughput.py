@@ -4,6 +4,7 @@ benchmark TSVs), the record of earlier runs per profile (``results/plan/throughp
 and after a run the measured bytes and seconds beside the projection. No torch."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from eagle3flow.ops.plan.footprint import uses_gpu
 from eagle3flow.layout import STAGES, Layout
 from eagle3flow.ops.plan.stages import Plan, measure
 from eagle3flow.ops.plan.workload import workload
+from eagle3flow.procfs import usable_cores
 
 def extract_backend(config: dict) -> str:
     """The extraction backend that will run: extract.backend, with auto resolved as the job
@@ -125,3 +127,30 @@ def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Pl
     plan.actual_peak_bytes = max(peak or 0, total)
     return plan
 
+
+# One core's fp32 matmul rate (numpy, 512^3, best of 7, every usable core busy) on the host
+# the plan's assumed CPU figures were calibrated on (`make demo`, 2026-12-04, 2 AMD EPYC
+# cores). An assumed CPU rate is scaled by this host's per-core rate over it.
+REFERENCE_CPU_MATMUL_FLOPS_PER_CORE = 30e9
+CPU_MATMUL_SIZE = 512
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_speed() -> tuple[float, str]:
+    """``(factor, basis)``: this host's per-core fp32 matmul rate over the calibration
+    host's (REFERENCE_CPU_MATMUL_FLOPS_PER_CORE), measured once per process (~10 ms)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((CPU_MATMUL_SIZE, CPU_MATMUL_SIZE), dtype=np.float32)
+    b = rng.standard_normal((CPU_MATMUL_SIZE, CPU_MATMUL_SIZE), dtype=np.float32)
+    a @ b
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    per_core = 2 * CPU_MATMUL_SIZE ** 3 / best / usable_cores()
+    factor = per_core / REFERENCE_CPU_MATMUL_FLOPS_PER_CORE
+    return factor, (f"x{factor:.2f}: this host's fp32 matmul {per_core / 1e9:.0f} GFLOP/s per core against "
+                    f"{REFERENCE_CPU_MATMUL_FLOPS_PER_CORE / 1e9:.0f} where calibrated")
