@@ -27,9 +27,10 @@ from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 from eagle3flow.procfs import usable_cores
 
 # Effective FLOP/s when nothing is measured: CPU per core the job holds, from `make demo`
-# on 2 AVX2 cores (extraction 2 x 4.7M params x 9,900 tokens/s, training 6 x 0.76M x 7 x
-# 3,480 tokens/s, each on both cores); GPU an assumed 40% of a dense bf16 H100/H200 per GPU.
-ASSUMED_FLOPS = {("cpu", "extract"): 4.6e10, ("cpu", "train"): 5.5e10,
+# on 2 AMD EPYC cores without AVX-512 (2026-12-04: extraction 2 x 4.65M params x 7,600
+# tokens/s, training 6 x 0.76M x 7 x 1,940 tokens/s, each on both cores), scaled by the
+# host's matmul rate (throughput.py cpu_speed); GPU an assumed 40% of a dense bf16 H100/H200.
+ASSUMED_FLOPS = {("cpu", "extract"): 3.5e10, ("cpu", "train"): 3.1e10,
                  ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
 # A stage process's start before its first token: Python, torch, the target or the shards.
 ASSUMED_STAGE_START_S = 10.0

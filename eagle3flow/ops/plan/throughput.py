@@ -131,7 +131,7 @@ def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Pl
 # One core's fp32 matmul rate (numpy, 512^3, best of 7, every usable core busy) on the host
 # the plan's assumed CPU figures were calibrated on (`make demo`, 2026-12-04, 2 AMD EPYC
 # cores). An assumed CPU rate is scaled by this host's per-core rate over it.
-REFERENCE_CPU_MATMUL_FLOPS_PER_CORE = 30e9
+REFERENCE_CPU_MATMUL_FLOPS_PER_CORE = 71e9
 CPU_MATMUL_SIZE = 512
 
 
