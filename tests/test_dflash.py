@@ -204,15 +204,21 @@ def test_loss_is_the_position_weighted_block_cross_entropy(target, one_thread):
     assert model.fc.weight.grad.abs().sum() > 0 and model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
+def shard_samples(cfg: DFlashConfig, n: int) -> list[dict]:
+    """``n`` samples of 11 rows as a manifest hands them over."""
+    samples = []
+    for i in range(n):
+        b = packed_batch(cfg, [11], seed=10 + i)
+        samples.append({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"],
+                        "aux_hidden_states": b["aux"], "last_hidden_state": b["last"]})
+    return samples
+
+
 def test_training_is_reproducible_on_the_cpu(one_thread):
     from eagle3flow.train.dflash_train import train_dflash
 
     cfg = tiny_config()
-    samples = []
-    for i in range(6):
-        b = packed_batch(cfg, [11], seed=10 + i)
-        samples.append({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"],
-                        "aux_hidden_states": b["aux"], "last_hidden_state": b["last"]})
+    samples = shard_samples(cfg, 6)
     runs = []
     for _ in range(2):
         model = random_draft(cfg)
@@ -229,11 +235,7 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one_bitwise(t
     from eagle3flow.train.dflash_train import latest_checkpoint, save_checkpoint, train_dflash
 
     cfg = tiny_config()
-    samples = []
-    for i in range(6):
-        b = packed_batch(cfg, [11], seed=10 + i)
-        samples.append({"input_ids": b["input_ids"], "loss_mask": b["loss_mask"],
-                        "aux_hidden_states": b["aux"], "last_hidden_state": b["last"]})
+    samples = shard_samples(cfg, 6)
     run_dir = tmp_path / "run"
     model = random_draft(cfg)
     history = train_dflash(model, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
