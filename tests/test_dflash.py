@@ -232,21 +232,25 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one_bitwise(t
     """Checkpoints every 2 steps; a draft with other trained weights resumed from the step-4
     checkpoint, as written to and read from disk, ends bitwise where the uninterrupted run
     ended: weights and every step's loss."""
-    from eagle3flow.train.dflash_train import latest_checkpoint, save_checkpoint, train_dflash
+    from eagle3flow.train.checkpoint import list_checkpoints, save_checkpoint
+    from eagle3flow.model.dflash_config import DFLASH_KEEP_CHECKPOINTS
+    from eagle3flow.train.dflash_train import train_dflash
 
     cfg = tiny_config()
     samples = shard_samples(cfg, 6)
     run_dir = tmp_path / "run"
     model = random_draft(cfg)
     history = train_dflash(model, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
-                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state), checkpoint_every=2)
-    assert latest_checkpoint(run_dir).name == "step-4.pt" and not (run_dir / "step-6.pt").exists()
+                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
+                                                                          DFLASH_KEEP_CHECKPOINTS),
+                           checkpoint_every=2)
+    assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]     # none at the end: the train dir is
     resumed = random_draft(cfg)          # the frozen embeddings and lm_head are the target's: the same
     with torch.no_grad():                # the trained weights elsewhere: the checkpoint must bring them
         for name, p in resumed.named_parameters():
             if name not in resumed.FROZEN:
                 p.normal_()
-    state = torch.load(latest_checkpoint(run_dir), weights_only=False)
+    state = torch.load(list_checkpoints(run_dir)[-1][1] / "state.pt", weights_only=False)
     resumed_history = train_dflash(resumed, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
                                    resume=state)
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]

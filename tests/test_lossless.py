@@ -116,12 +116,12 @@ def test_outputs_without_per_request_metrics_still_evaluate():
                                                      "per_round": [1, 0]} for k in (1, 2)}}
                for o in outputs}
     prompt_set = {"name": "eval", "category_of": {"p0": "a", "p1": "b"}}
-    r = set_result(prompt_set, base_set, spec_set, replays, 2, 2, 0.2)
+    r = set_result(prompt_set, base_set, spec_set, replays, 2, 0.2)
     assert r["vllm"]["acceptance_length"] == 2.0 and r["lossless"]["passed"]
     assert r["round_agreement"] is None
     assert r["per_category"]["a"]["vllm_acceptance_length"] is None
     # Without the replay (evaluate.replay), vLLM's numbers and the lossless check stay.
-    unreplayed = set_result(prompt_set, base_set, spec_set, None, 2, 2, 0.2)
+    unreplayed = set_result(prompt_set, base_set, spec_set, None, 2, 0.2)
     assert unreplayed["vllm"] == r["vllm"] and unreplayed["lossless"] == r["lossless"]
     assert unreplayed["simulated"] is unreplayed["agreement"] is unreplayed["acceptance_length_vs_k"] is None
     assert unreplayed["per_category"]["a"]["replay_acceptance_length"] is None

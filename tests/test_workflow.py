@@ -146,7 +146,7 @@ def test_embedded_default_with_a_dflash_draft_end_to_end(embedded_workflow, tmp_
                  "evaluate={temperatures: [0]}"]
     args = [*embedded_workflow["args"], *overrides]
     proc = start_snakemake(workdir, *args, log=tmp_path / "killed.log")
-    kill_when(proc, lambda: any((workdir / "cache" / "train" / "dflash").glob("*/step-*.pt")), 900,
+    kill_when(proc, lambda: any((workdir / "cache" / "train" / "dflash").glob("*/step-*/state.pt")), 900,
               "the first DFlash checkpoint", tmp_path / "killed.log")
     result = snakemake(workdir, *args, timeout=1200)
     output = result.stdout + result.stderr

@@ -55,7 +55,7 @@ def per_category(prompt_set: dict, spec_outputs: list[dict], replays: dict | Non
 
 
 def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict | None, k: int,
-               max_k: int, tolerance: float, dtype: str | None = None) -> dict:
+               tolerance: float, dtype: str | None = None) -> dict:
     """Everything measured for one draft on one prompt set; ``dtype``: the serving dtype
     that judges a divergence (agreement.compare_outputs). ``replays`` None: the replay did
     not run (``evaluate.replay``), and what it measures is null (vLLM's numbers stay)."""
@@ -83,10 +83,9 @@ def set_result(prompt_set: dict, base_set: dict, spec_set: dict, replays: dict |
         "agreement": agreement,
         "agreement_ok": agreement is not None and abs(agreement - 1.0) <= tolerance,
         "round_agreement": round_agreement(at_k, spec_set["outputs"]),
-        # every K the replays hold (a DFlash draft's: its one K)
+        # every K the replays hold (an EAGLE-3 draft's 1..replay_max_k; a DFlash draft's one K)
         "acceptance_length_vs_k": {str(j): replay_totals(set_replays, j)["acceptance_length"]
-                                   for j in sorted(int(x) for x in set_replays[0]["by_k"])
-                                   if j <= max_k} if set_replays else {},
+                                   for j in sorted(int(x) for x in set_replays[0]["by_k"])} if set_replays else {},
         "per_prompt": per_prompt(at_k, base_set["outputs"], spec_set["outputs"]),
     }
 

@@ -206,11 +206,9 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "sample_seed": int(o.sample_seed)} if sampled else {}),
     }
 
-    name_of = {path: name for name, path in drafts.items()}
-
-    def spec_request(path: Path, num_tokens: int) -> dict:
+    def spec_request(name: str, path: Path, num_tokens: int) -> dict:
         request = dict(base_request, speculative_config={
-            "method": methods[name_of[path]], "model": str(Path(path).resolve()),
+            "method": methods[name], "model": str(Path(path).resolve()),
             "num_speculative_tokens": int(num_tokens)}, draft_stamp=dir_stamp(path))
         if not sampled:
             return request
@@ -226,7 +224,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     # The baseline keeps the engine's two best raw logits per position: they judge a
     # divergence (agreement.compare_outputs) without loading the target again.
     runs = [("vllm_baseline", dict(base_request, top_logits=2))]
-    runs += [(run_name(name, x), spec_request(path, x)) for x in [k] + [x for x in sweep if x != k]
+    runs += [(run_name(name, x), spec_request(name, path, x)) for x in [k] + [x for x in sweep if x != k]
              for name, path in drafts.items()]
     # Engine runs dominate on GPUs and CPUs alike: count them for the ETA.
     progress = Progress("evaluate[vLLM runs]", total=len(runs), unit="runs", interval=0)
@@ -285,7 +283,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             spec_sets = {x["name"]: x for x in results[run_name(name, k)]["sets"]}
             per_set[s["name"]][name] = set_result(s, base_sets[s["name"]],
                                                   spec_sets[s["name"]], by_draft[name], k,
-                                                  max_k, o.agreement_tolerance, serving_dtype)
+                                                  o.agreement_tolerance, serving_dtype)
     by_temperature = temperature_results(sets, drafts, sampled, baseline,
                                          {name: results[run_name(name, k)] for name in drafts},
                                          walks, draft_name, o)

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, field
 from eagle3flow.layers import default_dflash_layer_ids, from_layer_outputs, to_layer_outputs
 from eagle3flow.target.config import text_config
 
+# Checkpoints a DFlash training run keeps in its cache dir (the trainer writes them, the
+# plan counts them; one more exists while the newest is written).
+DFLASH_KEEP_CHECKPOINTS = 2
 # vLLM's registry maps this architecture to qwen3_dflash.DFlashQwen3ForCausalLM.
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 LAYER_PARAM_NAMES = (

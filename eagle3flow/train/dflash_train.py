@@ -20,17 +20,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.atomic import replacing, write_json
+from eagle3flow.atomic import replacing, write_json, write_jsonl
 from eagle3flow.config import TARGET_BORROWED, cli_settings
 from eagle3flow.device import limit_cpu_threads, resolve_device
 from eagle3flow.extract import shards
 from eagle3flow.progress import Progress
 from eagle3flow.model.dflash import DFlashDraft
-from eagle3flow.model.dflash_config import DFlashConfig, default_loss_gamma
+from eagle3flow.model.dflash_config import DFLASH_KEEP_CHECKPOINTS, DFlashConfig, default_loss_gamma
 from eagle3flow.target.config import load_target_config
 from eagle3flow.target.identity import target_digest
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
+from eagle3flow.train.checkpoint import list_checkpoints, save_checkpoint
+from eagle3flow.train.data import to_device
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
 
 
@@ -64,8 +66,11 @@ def pack(samples: list[dict]) -> dict:
             "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def block_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: float, target: str):
+    """:func:`dflash_loss` of a packed host batch on the model's device (bf16 autocast on CUDA)."""
+    device = model.fc.weight.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return dflash_loss(model, to_device(batch, device), anchors.to(device), gamma, target)
 
 
 def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float = 3e-3,
@@ -78,8 +83,6 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
     steps with everything a resumed run needs; ``resume`` (such a state) continues from it,
     bitwise on the CPU."""
     cfg = model.config
-    device = model.fc.weight.device
-    autocast = device.type == "cuda"
     gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -104,8 +107,7 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         step_start = time.perf_counter()
         batch = pack([samples[i] for i in chosen])
         anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss, stats = dflash_loss(model, _to(batch, device), anchors.to(device), gamma, target)
+        loss, stats = block_loss(model, batch, anchors, gamma, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -138,7 +140,6 @@ def evaluate_dflash(model: DFlashDraft, samples: list[dict], anchors_per_sample:
     ``samples`` (the eval split), at seeded anchors: ``{"loss", "slot_accuracy",
     "slot_rows", "num_samples", "anchors"}``."""
     cfg = model.config
-    device = model.fc.weight.device
     gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
     generator = torch.Generator().manual_seed(seed)
     hits = [0.0] * cfg.num_speculative_tokens
@@ -150,8 +151,7 @@ def evaluate_dflash(model: DFlashDraft, samples: list[dict], anchors_per_sample:
         anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
         if not anchors.numel():
             continue
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, stats = dflash_loss(model, _to(batch, device), anchors.to(device), gamma, target)
+        loss, stats = block_loss(model, batch, anchors, gamma, target)
         scored = sum(stats["slot_rows"])
         loss_sum += float(loss) * scored
         weight_sum += scored
@@ -223,25 +223,6 @@ def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(run_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return found[-1] if found else None
-
-
-def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int = 2) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with replacing(run_dir / f"step-{step}.pt") as tmp:
-        torch.save(state, tmp)
-    for old in sorted(run_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
-        old.unlink()
-
-
-def write_metrics(path: Path, history: list[dict]) -> None:
-    with replacing(path) as tmp, open(tmp, "w") as f:
-        for row in history:
-            f.write(json.dumps(row) + "\n")
-
-
 def main(argv=None) -> None:
     """CLI: ``python -m eagle3flow.train.dflash_train --train-manifest M --eval-manifest M
     --target DIR --out-dir DIR --cache-root DIR [--config-json '{"block_size": 8, ...}']``
@@ -277,8 +258,9 @@ def main(argv=None) -> None:
         print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
               "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
     run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device)
-    last = latest_checkpoint(run_dir)
-    resume = torch.load(last, map_location=device, weights_only=False) if last else None
+    checkpoints = list_checkpoints(run_dir)
+    last = checkpoints[-1][1] if checkpoints else None
+    resume = torch.load(last / "state.pt", map_location=device, weights_only=False) if last else None
     print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
           f"mask {cfg.mask_token_id}, on {device}; checkpoints in {run_dir}"
           + (f"; resuming from {last.name} (step {resume['step']}/{settings['steps']})" if resume else ""),
@@ -287,13 +269,14 @@ def main(argv=None) -> None:
     history = train_dflash(model, list(manifests["train"].iter_samples()), settings["steps"], settings["lr"],
                            settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
                            settings["loss_target"], settings["seed"], log_every=max(settings["steps"] // 20, 1),
-                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state),
+                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
+                                                                          DFLASH_KEEP_CHECKPOINTS),
                            checkpoint_every=settings["checkpoint_every"], resume=resume)
     evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
                                  settings["gamma"], settings["loss_target"], settings["seed"])
     out_dir = Path(args.out_dir)
     save_train_dir(model, out_dir)
-    write_metrics(out_dir / "metrics.jsonl", history)
+    write_jsonl(out_dir / "metrics.jsonl", history)
     write_json(out_dir / "eval.json", {"method": "dflash", **evaluation, "steps": settings["steps"],
                                        "train_s_this_run": time.monotonic() - t0})
     print(f"dflash: eval loss {evaluation['loss']}, slot accuracy "

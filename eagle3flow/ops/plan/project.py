@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eagle3flow.config import default_temperatures
 from eagle3flow.ops import streaming
-from eagle3flow.model.dflash_config import DFlashConfig
+from eagle3flow.model.dflash_config import DFLASH_KEEP_CHECKPOINTS, DFlashConfig
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
 from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_param_counts,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
@@ -149,7 +149,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
     if train_cfg["method"] == "dflash":
-        draft_params, proj["train"] = dflash_train_projection(config, target, aux_ids, work, rate)
+        draft_params, checkpoint, proj["train"] = dflash_train_projection(config, target, aux_ids, work, rate)
     else:
         keep = int(train_cfg.get("keep_checkpoints", 2))
         train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
@@ -344,7 +344,7 @@ DFLASH_CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def dflash_train_projection(config: dict, target: dict, aux_ids: list[int], work: dict, rate):
-    """``(trainable params, (bytes, what, seconds, basis))`` of a DFlash draft's training
+    """``(trainable params, one checkpoint's bytes, (bytes, what, seconds, basis))`` of a DFlash draft's training
     (train.method dflash). Per context row of a step: the context projections (fc, every
     layer's k/v) run on every row, the layers and the frozen lm_head (forward and input
     gradient) on the anchors' block slots only."""
@@ -358,9 +358,9 @@ def dflash_train_projection(config: dict, target: dict, aux_ids: list[int], work
     flops_per_token = 6 * context_params + slot_share * (6 * params + 4 * cfg.hidden_size * cfg.vocab_size)
     r, rb = rate("train", flops_per_token)
     rows = d["steps"] * d["samples_per_step"] * sample_tokens
-    checkpoints = 2 * params * DFLASH_CHECKPOINT_BYTES_PER_PARAM
-    return params, (checkpoints + params * 4 + d["steps"] * 400,
-                    f"DFlash: {params / 1e6:.2f}M draft params, {DFLASH_CHECKPOINT_BYTES_PER_PARAM} B/param "
-                    "x 2 checkpoints + weights",
-                    rows / r + ASSUMED_STAGE_START_S,
-                    f"{r:,.0f} context tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
+    checkpoint = params * DFLASH_CHECKPOINT_BYTES_PER_PARAM
+    return params, checkpoint, (DFLASH_KEEP_CHECKPOINTS * checkpoint + params * 4 + d["steps"] * 400,
+                                f"DFlash: {params / 1e6:.2f}M draft params, {DFLASH_CHECKPOINT_BYTES_PER_PARAM} "
+                                f"B/param x {DFLASH_KEEP_CHECKPOINTS} checkpoints (+1 while one is written) + weights",
+                                rows / r + ASSUMED_STAGE_START_S,
+                                f"{r:,.0f} context tokens/s, {rb} + {ASSUMED_STAGE_START_S:.0f}s start")
