@@ -410,6 +410,33 @@ def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(ra
     assert length > random_length + 0.15, (length, random_length)
 
 
+def test_without_a_spare_row_the_mask_is_a_special_token_the_chat_template_never_writes(tmp_path):
+    """SmolLM2's case: the tokenizer fills the embedding and its pad token is its EOS. The
+    mask is then the last special token that is none of bos/eos/pad/unk and that a rendered
+    conversation never holds; with none left, a pad token that is not EOS."""
+    from eagle3flow.target.tokenizer import load_tokenizer
+    from eagle3flow.train import dflash_train
+    from support.targets import CONVERSATION, make_chat_target
+
+    target = make_chat_target(tmp_path / "target", family="llama3")
+    tokenizer = load_tokenizer(target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer)}))
+    mask = dflash_train.default_mask_token_id(target)
+    assert tokenizer.convert_ids_to_tokens(mask) == "<|python_tag|>"
+    rendered = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    assert mask not in rendered and mask not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+    bare = make_chat_target(tmp_path / "bare")   # its template writes every special token but <pad>
+    tokenizer = load_tokenizer(bare)
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer)}))
+    assert dflash_train.unused_special_tokens(tokenizer, len(tokenizer)) == []
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert dflash_train.default_mask_token_id(bare) == tokenizer.pad_token_id
+
+
 def test_command_lines_train_and_export_with_the_spare_embedding_row_as_mask(tmp_path, one_thread):
     from safetensors import safe_open
 

@@ -31,8 +31,11 @@ from pathlib import Path
 
 import torch
 
+from eagle3flow.eval.dflash_replay import dflash_chains
+from eagle3flow.eval.replay import replay_greedy_speculation
 from eagle3flow.extract.shards import load_manifest
 from eagle3flow.train.build import load_trained
+from eagle3flow.train.dflash_train import load_train_dir
 from eagle3flow.train.eval_split import evaluate_split
 from eagle3flow.train.trainer import train
 
@@ -46,27 +49,36 @@ def prepare(args) -> tuple[Path, Path, Path, Path]:
     if not (target / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "eagle3flow.target.pretrained", "--out-dir", target,
                         "--gguf", args.gguf], check=True)
-    manifests = work / "hs"
-    splits = {"train": args.train, "eval": args.eval, **dict(args.score)}
-    if not all((manifests / f"{name}.json").is_file() for name in splits):
-        settings = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
-                    "max_length": 1024}
-        command = [sys.executable, "-m", "eagle3flow.extract", "--target", target,
-                   "--cache-root", work / "cache", "--config-json", json.dumps(settings)]
-        for name, dataset in splits.items():
-            command += ["--split-name", name, "--dataset", dataset, "--manifest", manifests / f"{name}.json"]
-        subprocess.run(command, check=True)
+    manifests = extract_splits(args, target, work / "hs", {})
     vocab = work / "vocab_map.safetensors"
     if not vocab.is_file():
         subprocess.run([sys.executable, "-m", "eagle3flow.data.vocab", "--dataset", args.train, "--target", target,
-                        "--draft-vocab-size", str(DRAFT_VOCAB), "--out", vocab, "--stats", work / "vocab.json"],
+                        "--config-json", json.dumps({"draft_vocab_size": DRAFT_VOCAB}), "--out", vocab,
+                        "--stats", work / "vocab.json"],
                        check=True)
     return target, manifests / "train.json", manifests / "eval.json", vocab
 
 
-def score(name: str, overrides: dict, paths, work: Path, results: dict) -> dict:
+def extract_splits(args, target: Path, manifests: Path, layers: dict) -> Path:
+    """Every split's hidden states into ``manifests`` (train, eval and each ``--score``);
+    ``layers``: extraction settings choosing the layers (none: the EAGLE-3 default)."""
+    splits = {"train": args.train, "eval": args.eval, **dict(args.score)}
+    if not all((manifests / f"{name}.json").is_file() for name in splits):
+        settings = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
+                    "max_length": 1024, **layers}
+        command = [sys.executable, "-m", "eagle3flow.extract", "--target", target,
+                   "--cache-root", args.work / "cache", "--config-json", json.dumps(settings)]
+        for name, dataset in splits.items():
+            command += ["--split-name", name, "--dataset", dataset, "--manifest", manifests / f"{name}.json"]
+        subprocess.run(command, check=True)
+    return manifests
+
+
+def score(name: str, overrides: dict, paths, work: Path, results: dict, args=None) -> dict:
     if name in results:
         return results[name]
+    if overrides.get("method") == "dflash":
+        return score_dflash(name, overrides, paths, work, results, args)
     target, train_manifest, eval_manifest, vocab = paths
     config = {**BUDGET, "checkpoint_every": 10_000, "log_every": 50, **overrides}
     t0 = time.monotonic()
@@ -77,18 +89,86 @@ def score(name: str, overrides: dict, paths, work: Path, results: dict) -> dict:
            "seconds": seconds, "decode": {"eval": out["decode_acceptance_length"]}}
     model = load_trained(work / "out" / name, target, "cuda" if torch.cuda.is_available() else "cpu")
     for split in score_splits(work):
+        manifest = load_manifest(work / "hs" / f"{split}.json")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
-            row["decode"][split] = evaluate_split(model, load_manifest(work / "hs" / f"{split}.json"),
-                                                  config["ttt_steps"])["decode_acceptance_length"]
+            if sampled_at(split) is None:
+                row["decode"][split] = evaluate_split(model, manifest, config["ttt_steps"])["decode_acceptance_length"]
+            else:
+                # the offline estimate at temperature along the target's own sampled answers
+                estimate = evaluate_split(model, manifest, config["ttt_steps"], temperature=sampled_at(split))
+                row.setdefault("rejection", {})[split] = estimate["rejection_acceptance_length"]
     results[name] = row
     walks = " ".join(f"{s} {d['3']:.3f}/{d['7']:.3f}" for s, d in row["decode"].items())
-    print(f"ablate: {name:40s} AL@3 {row['al3']:.4f} AL@7 {row['al7']:.4f} decode@3/7 {walks} "
+    at_t = " ".join(f"{s} {d[str(config['ttt_steps'])]:.3f}" for s, d in row.get("rejection", {}).items())
+    print(f"ablate: {name:40s} AL@3 {row['al3']:.4f} AL@7 {row['al7']:.4f} decode@3/7 {walks} {at_t} "
           f"({seconds}s) {overrides}", file=sys.stderr, flush=True)
     return row
 
 
 def score_splits(work: Path) -> list[str]:
     return sorted(p.stem for p in (work / "hs").glob("*.json") if p.stem not in ("train", "eval"))
+
+
+def sampled_at(split: str) -> float | None:
+    """The temperature a ``<name>_t<T>`` split's answers were sampled at (gpu_data.py
+    ``--eval-temperature``); None for the greedy splits."""
+    head, _, tail = split.rpartition("_t")
+    try:
+        return float(tail) if head else None
+    except ValueError:
+        return None
+
+
+def score_dflash(name: str, overrides: dict, paths, work: Path, results: dict, args) -> dict:
+    """A DFlash draft (``{"method": "dflash", ...the dflash section}``) on the same data at
+    the same training tokens as an EAGLE-3 variant: ``BUDGET["epochs"]`` passes over the
+    train split's samples (steps = epochs x samples / samples_per_step), each step reading
+    whole samples as the EAGLE-3 trainer's batches do; scored by the exact greedy block
+    replay (eagle3flow/eval/dflash_replay.py) on each greedy split at K = block_size - 1."""
+    target = paths[0]
+    settings = {k: v for k, v in overrides.items() if k != "method"}
+    layers = settings.pop("num_hidden_layers", 1)
+    aux = settings.pop("aux_layer_ids", None)   # None: the DFlash default for this many draft layers
+    hs = extract_splits(args, target, work / ("hs-" + "-".join(map(str, aux)) if aux else f"hs-dflash{layers}"),
+                        {"aux_layer_ids": aux} if aux else {"draft_method": "dflash", "dflash_layers": layers})
+    train_manifest = load_manifest(hs / "train.json")
+    samples_per_step = settings.setdefault("samples_per_step", 8)
+    samples = train_manifest.data["num_samples"]
+    settings.setdefault("steps", max(1, round(BUDGET["epochs"] * samples / samples_per_step)))
+    config = {**settings, "num_hidden_layers": layers, "device": args.device, "checkpoint_every": 10_000}
+    t0 = time.monotonic()
+    out = work / "out" / name
+    subprocess.run([sys.executable, "-m", "eagle3flow.train.dflash_train", "--train-manifest", hs / "train.json",
+                    "--eval-manifest", hs / "eval.json", "--target", target, "--out-dir", out,
+                    "--cache-root", work / "ckpt-dflash", "--config-json", json.dumps(config)], check=True)
+    seconds = round(time.monotonic() - t0, 1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_train_dir(out, target).to(device)
+    k = model.config.num_speculative_tokens
+    row = {"overrides": overrides, "method": "dflash", "steps": config["steps"], "seconds": seconds,
+           "training_tokens": config["steps"] * samples_per_step * train_manifest.num_tokens / samples,
+           "eval": json.loads((out / "eval.json").read_text()), "decode": {}}
+    for split in score_splits(work):
+        if sampled_at(split) is not None:
+            continue
+        rounds = accepted = 0
+        per_pos = [0] * k
+        with torch.no_grad():
+            for sample in load_manifest(hs / f"{split}.json").iter_samples():
+                ids = sample["input_ids"].long()
+                prompt_len = int(sample["loss_mask"].nonzero()[0]) if sample["loss_mask"].any() else ids.numel()
+                chains = dflash_chains(model, sample["aux_hidden_states"].float().to(device), ids.to(device)).cpu()
+                replay = replay_greedy_speculation(chains, ids.tolist(), prompt_len)
+                rounds += replay["rounds"]
+                accepted += replay["accepted"]
+                per_pos = [a + b for a, b in zip(per_pos, replay["accepted_per_pos"])]
+        row["decode"][split] = {str(k): 1.0 + accepted / rounds if rounds else None,
+                                "per_position": [a / rounds for a in per_pos] if rounds else None}
+    results[name] = row
+    walks = " ".join(f"{s} {d[str(k)]:.3f}" for s, d in row["decode"].items())
+    print(f"ablate: {name:40s} DFlash K={k} decode {walks} ({seconds}s, {config['steps']} steps) {overrides}",
+          file=sys.stderr, flush=True)
+    return row
 
 
 def baseline_splits(baseline: Path, out_dir: Path) -> None:
@@ -174,7 +254,7 @@ def main(argv=None) -> int:
 
     if args.grid:
         for name, overrides in json.loads(args.grid.read_text()).items():
-            score(name, overrides, paths, args.work, results)
+            score(name, overrides, paths, args.work, results, args)
             save()
         return 0
     stages = {int(s) for s in args.stages.split(",") if s}

@@ -91,8 +91,13 @@ def answer_all(model, tokenizer, prompts: list[dict], max_tokens: int, sample=Fa
     return done
 
 
-def split_rows(model, tokenizer, items: list[tuple[str, list[dict]]], max_tokens: int) -> pa.Table:
-    results = generate(model, tokenizer, [m for _, m in items], max_tokens, False, 1.0)
+def split_rows(model, tokenizer, items: list[tuple[str, list[dict]]], max_tokens: int,
+               temperature: float = 0.0) -> pa.Table:
+    """The target's answer to each item: greedy, or sampled at ``temperature`` (seeded)."""
+    if temperature:
+        torch.manual_seed(2000)
+    results = generate(model, tokenizer, [m for _, m in items], max_tokens, temperature > 0,
+                       temperature or 1.0)
     ids = [p + a for p, a, _ in results]
     masks = [[0] * len(p) + [1] * len(a) for p, a, _ in results]
     return pa.table({"id": [i for i, _ in items], "input_ids": ids, "loss_mask": masks,
@@ -110,6 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mt-bench", type=Path, default=None)
     parser.add_argument("--samples", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--eval-temperature", type=float, action="append", default=[],
+                        help="also eval128_t<T> / mt_bench128_t<T>: the answers sampled at T (offline "
+                             "acceptance at temperature, ablate.py)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,11 +143,16 @@ def main(argv=None) -> int:
     first_turn = lambda p: [m for m in p["messages"][:next(i for i, m in enumerate(p["messages"])  # noqa: E731
                                                            if m["role"] == "user") + 1]]
     held = [(i, first_turn(by_id[i])) for i in sorted(eval_ids) if i in by_id]
-    pq.write_table(split_rows(model, tokenizer, held, 128), args.out / "eval128.parquet")
+    items = []
     if args.mt_bench:
         questions = [json.loads(line) for line in args.mt_bench.read_text().splitlines() if line.strip()]
         items = [(f"mt{q['question_id']}", [{"role": "user", "content": q["turns"][0]}]) for q in questions]
-        pq.write_table(split_rows(model, tokenizer, items, 128), args.out / "mt_bench128.parquet")
+    for temperature in [0.0, *args.eval_temperature]:
+        suffix = f"_t{temperature:g}" if temperature else ""
+        pq.write_table(split_rows(model, tokenizer, held, 128, temperature), args.out / f"eval128{suffix}.parquet")
+        if items:
+            pq.write_table(split_rows(model, tokenizer, items, 128, temperature),
+                           args.out / f"mt_bench128{suffix}.parquet")
     if args.samples:
         train_ids = set(pq.read_table(dataset / "train.parquet", columns=["id"]).column("id").to_pylist())
         extra = []

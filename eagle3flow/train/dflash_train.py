@@ -203,15 +203,40 @@ def load_train_dir(train_dir: str | Path, target_path: str | Path) -> DFlashDraf
 def default_mask_token_id(target_path: str | Path, trust_remote_code: bool = False) -> int:
     """The embedding row the masked slots read when none is configured: the first row past
     the tokenizer's vocabulary (a padded embedding's spare row, what the published Qwen3
-    DFlash drafts use), else the tokenizer's pad token when it is not its end of sequence."""
+    DFlash drafts use); else the last special token the tokenizer defines that is none of
+    its bos/eos/pad/unk and that its chat template never writes (SmolLM2's ``<empty_output>``,
+    Llama 3's last reserved token: rows text never produces, trained or not); else the pad
+    token when it is not the end of sequence."""
     vocab_size = int(load_target_config(target_path)["vocab_size"])
     tokenizer = load_tokenizer(target_path, trust_remote_code)
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
+    unused = unused_special_tokens(tokenizer, vocab_size)
+    if unused:
+        return unused[-1]
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
         return int(tokenizer.pad_token_id)
-    raise ValueError(f"{target_path}: no spare embedding row and no pad token distinct from EOS for the "
-                     "DFlash mask; set mask_token_id to a token the data never holds")
+    raise ValueError(f"{target_path}: no spare embedding row, no special token the chat template leaves "
+                     "unused and no pad token distinct from EOS for the DFlash mask; set dflash.mask_token_id "
+                     "to a token the data never holds")
+
+
+def unused_special_tokens(tokenizer, vocab_size: int) -> list[int]:
+    """Ids of the tokenizer's special tokens, below ``vocab_size``, that are not its
+    bos/eos/pad/unk and do not occur in its chat template's rendering of a two-turn
+    conversation (with a generation prompt), ascending."""
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    if getattr(tokenizer, "chat_template", None):
+        conversation = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                        {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        try:
+            rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        except Exception:   # a template that refuses a system turn, say: then no token is known unused
+            return []
+        rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        taken |= set(int(t) for t in rendered)
+    special = {int(i) for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return sorted(i for i in special if i not in taken and i < vocab_size)
 
 
 def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: torch.device) -> str:
