@@ -48,10 +48,7 @@ from eagle3flow.model.dflash_config import DFlashConfig, default_loss_gamma  # n
 from eagle3flow.model.flops import OVER_PEAK, PeakFlops  # noqa: E402
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors  # noqa: E402
 
-# The DFlash draft does not take YaRN rope yet (eagle3flow/model/dflash_config.py): the Kimi
-# shape runs with plain rope, which changes no matmul and no FLOP count.
-KIMI_PLAIN_ROPE = {**KIMI_K25, "text_config": {k: v for k, v in KIMI_K25["text_config"].items() if k != "rope_scaling"}}
-SETTINGS = {"llama8b": LLAMA_8B, "kimi": KIMI_PLAIN_ROPE}
+SETTINGS = {"llama8b": LLAMA_8B, "kimi": KIMI_K25}     # Kimi's YaRN rope as the draft serves it
 
 
 def build(target: dict, draft_layers: int, block_size: int, device: torch.device) -> DFlashDraft:

@@ -3,6 +3,7 @@ loop, its loss (anchors, position weights, targets), its config and export, and 
 serving an exported, briefly trained draft losslessly with the replay's acceptance."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -466,3 +467,31 @@ def test_command_lines_train_and_export_with_the_spare_embedding_row_as_mask(tmp
         assert "layers.1.mlp.down_proj.weight" in set(f.keys())
     with pytest.raises(SystemExit):      # a key the dflash section does not have, refused by name
         dflash_train.main(paths + ["--out-dir", str(tmp_path / "x"), "--config-json", json.dumps({"blocksize": 3})])
+
+
+def test_a_yarn_target_gets_a_dflash_draft_placing_positions_as_its_eagle3_draft(tmp_path):
+    """Kimi-K2.5's text config scales rope by YaRN (factor 64): the DFlash draft takes it as
+    the EAGLE-3 Llama-style draft of the same target does (the magnitude scale explicit), and
+    its frequencies are YaRN's, not plain rope's."""
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.dflash import DFlashDraft, dflash_inv_freq
+    from eagle3flow.model.dflash_config import DFlashConfig
+    from eagle3flow.model.draft import rope_inv_freq
+    from eagle3flow.target.config import load_target_config
+    from support.kimi_target import make_kimi_k25_target
+
+    config = load_target_config(make_kimi_k25_target(tmp_path / "kimi"))
+    dflash = DFlashConfig.from_target_config(config, block_size=4, mask_token_id=0, num_hidden_layers=1)
+    eagle = DraftConfig.from_target_config(config, [1, 3, 5], 64, overrides={"architecture": "llama"})
+    assert dflash.rope_scaling["rope_type"] == "yarn" and dflash.rope_scaling == eagle.rope_scaling
+    assert dflash.head_dim == eagle.head_dim
+    inv, scale = dflash_inv_freq(dflash)
+    eagle_inv, eagle_scale = rope_inv_freq(eagle)
+    assert torch.allclose(inv, eagle_inv) and scale == pytest.approx(eagle_scale)
+    plain, _ = dflash_inv_freq(dataclasses.replace(dflash, rope_scaling=None))
+    assert not torch.allclose(inv, plain)
+    model = DFlashDraft(dflash).eval()
+    ids = torch.randint(0, 64, (12,))
+    aux = torch.randn(12, len(dflash.target_layer_ids) * dflash.target_hidden_size)
+    with torch.no_grad():
+        assert model.predict_blocks(aux, ids).shape == (12, dflash.num_speculative_tokens)

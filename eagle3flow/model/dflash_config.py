@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from eagle3flow.layers import default_dflash_layer_ids, from_layer_outputs, to_layer_outputs
+from eagle3flow.model.config import yarn_rope_for_llama
 from eagle3flow.target.config import text_config
 
 # Checkpoints a DFlash training run keeps in its cache dir (the trainer writes them, the
@@ -102,7 +103,11 @@ class DFlashConfig:
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
-        if rope_scaling and rope_scaling["rope_type"] not in ("llama3", "linear", "dynamic"):
+        if rope_scaling and rope_scaling["rope_type"] in ("yarn", "deepseek_yarn"):
+            # Kimi-K2.5 / DeepSeek-V3: the EAGLE-3 draft's reading of YaRN (the magnitude scale
+            # explicit), so both drafts of one target place positions alike
+            rope_scaling = yarn_rope_for_llama(rope_scaling, cfg)
+        if rope_scaling and rope_scaling["rope_type"] not in ("llama3", "linear", "dynamic", "yarn"):
             raise ValueError(f"DFlash draft: rope {rope_scaling['rope_type']!r} is not supported yet")
         num_layers = int(cfg["num_hidden_layers"])
         ids = (default_dflash_layer_ids(num_layers, num_hidden_layers) if target_layer_ids is None
