@@ -452,3 +452,23 @@ def test_plan_says_when_the_targets_own_code_runs(tmp_path):
     on = plan_lib.render(plan_lib.project(resolved_config(target={"trust_remote_code": True}), tmp_path))
     assert "target.trust_remote_code is on" in on
     assert "trust_remote_code" not in plan_lib.render(plan_lib.project(resolved_config(), tmp_path))
+
+
+def test_the_plan_says_when_the_disk_cannot_feed_the_gpus(tmp_path):
+    """Training's read rate (projected tokens/s x bytes per token) against the disk under
+    the cache, measured by a probe written, evicted and read back there (none left behind):
+    past 80% of it, a note names both rates and what lowers the need."""
+    from eagle3flow.ops.plan.read_rate import HEADROOM, measure_read_rate, read_rate_note
+
+    measured = measure_read_rate(tmp_path / "cache" / "hidden_states")   # not there yet: its parent's disk
+    assert measured and measured > 1e6 and list(tmp_path.iterdir()) == []
+    assert read_rate_note(1000, 32768, 1e9, tmp_path, "bfloat16") is None
+    note = read_rate_note(40_000, 32768, 1e9, tmp_path, "bfloat16")
+    assert "1.31 GB/s" in note and "1.00 GB/s" in note and "extract.storage_dtype: fp8" in note
+    assert f"{HEADROOM * 1e9 / 32768:,.0f} tokens/s" in note
+    assert "storage_dtype: fp8" not in read_rate_note(40_000, 16448, 1e8, tmp_path, "float8_e4m3fn")
+    # A node of 8 GPUs training a small draft needs more than any disk reads; a CPU run never asks.
+    on_eight = plan_lib.project(resolved_config(resources={"gpus": 8}), tmp_path)
+    assert any("would read hidden states at" in n for n in on_eight.notes), on_eight.notes
+    on_cpu = plan_lib.project(resolved_config(resources={"gpus": 0}), tmp_path)
+    assert not any("would read hidden states at" in n for n in on_cpu.notes)

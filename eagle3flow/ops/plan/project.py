@@ -23,6 +23,7 @@ from eagle3flow.ops.plan.workload import (EMBEDDED_BUILD_STEP_TOKENS, EMBEDDED_B
                                           EMBEDDED_JSONL_BYTES_PER_TOKEN,
                                           EMBEDDED_TOKENS_PER_CONVERSATION, PARQUET_BYTES_PER_TOKEN,
                                           serving_rate, target_config, workload)
+from eagle3flow.ops.plan.read_rate import measure_read_rate, read_rate_note
 from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 from eagle3flow.procfs import usable_cores
 
@@ -227,6 +228,14 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         return plan
 
     plan = _with_streaming(assemble(proj), assemble, proj, config, root, target)
+    training = any(r.name == "train" and r.status == "run" for r in plan.stages)
+    if gpus and train_cfg["method"] != "dflash" and training:
+        # The GPUs' appetite for hidden states against the disk they sit on (its own probe).
+        cache = real_path("cache/hidden_states", config, root)
+        note = read_rate_note(rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))[0], per_token,
+                              measure_read_rate(cache), cache, dtype)
+        if note:
+            plan.notes.append(note)
     if config["target"].get("trust_remote_code"):
         plan.notes.append("target.trust_remote_code is on: every stage that loads the target "
                           "(tokenizer, transformers, vLLM) runs the Python code it ships (auto_map)")
