@@ -332,9 +332,18 @@ def export_stage_settings(config: dict) -> dict:
     return {**config["export"], **borrowed_values(config, EXPORT_BORROWED)}
 
 
+# Keys added after DFlash drafts were first trained: at their defaults they stay out of the
+# stage's settings, so a finished run's params (and cache key) stay what they were.
+DFLASH_ONLY_WHEN_SET = ("position_weighting", "dpace_alpha")
+
+
 def dflash_stage_settings(config: dict) -> dict:
-    """The DFlash trainer's --config-json: the dflash section and TARGET_BORROWED."""
-    return {**config["dflash"], **borrowed_values(config, TARGET_BORROWED)}
+    """The DFlash trainer's --config-json: the dflash section (less DFLASH_ONLY_WHEN_SET at
+    their defaults) and TARGET_BORROWED."""
+    defaults = schema_defaults("dflash")
+    kept = {key: value for key, value in config["dflash"].items()
+            if key not in DFLASH_ONLY_WHEN_SET or value != defaults[key]}
+    return {**kept, **borrowed_values(config, TARGET_BORROWED)}
 
 
 def model_card_settings(config: dict) -> dict:

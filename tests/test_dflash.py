@@ -205,6 +205,82 @@ def test_loss_is_the_position_weighted_block_cross_entropy(target, one_thread):
     assert model.fc.weight.grad.abs().sum() > 0 and model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
+def test_dpace_weighs_each_slot_by_the_accepted_tokens_an_error_there_costs(one_thread):
+    """D-PACE by hand: q = the draft's probability of the label, smoothed (1-a)q + a, the
+    chance the run reaches slot m is the product up to m, slot j weighs the sum of those
+    chances from j on (scored slots only); loss = sum w CE / scored slots; the weights carry
+    no gradient, so the gradient is that of CE scaled by them."""
+    from eagle3flow.train.dflash_loss import dflash_loss
+
+    cfg = tiny_config(block_size=5)
+    model = random_draft(cfg)
+    batch = packed_batch(cfg, [10, 12])
+    batch["loss_mask"][7] = 0
+    anchors = torch.tensor([3, 6, 8, 13, 20])
+    alpha = 0.3
+    loss, stats = dflash_loss(model, batch, anchors, gamma=2.0, weighting="dpace", dpace_alpha=alpha)
+    terms, weights_by_hand, scored_slots = [], [], 0
+    for a in anchors.tolist():
+        end = 10 if a < 10 else 22
+        hidden = model.block_hidden(batch["aux"], batch["input_ids"], batch["cu_seqlens"], torch.tensor([a]))[0]
+        log_probs = torch.log_softmax(model.lm_head(hidden), -1)
+        ce, ok = [], []
+        for k in range(1, 5):
+            row = min(a + k, 21)
+            ce.append(-log_probs[k, batch["input_ids"][row]])
+            ok.append(a + k < end and bool(batch["loss_mask"][a + k]))
+        reach, prefix = [], 1.0
+        for c, scored in zip(ce, ok):
+            prefix *= ((1 - alpha) * float(torch.exp(-c.detach())) + alpha) if scored else 1.0
+            reach.append(prefix if scored else 0.0)
+        for j in range(4):
+            if ok[j]:
+                w = sum(reach[j:])
+                weights_by_hand.append(w)
+                terms.append(w * ce[j])
+                scored_slots += 1
+    expected = torch.stack(terms).sum() / scored_slots
+    torch.testing.assert_close(loss, expected)
+    model.zero_grad()
+    loss.backward()
+    grad = model.fc.weight.grad.clone()
+    model.zero_grad()
+    # the same weights as constants: the same gradient
+    (sum(float(w) * t / w for w, t in zip(weights_by_hand, terms)) / scored_slots).backward()
+    torch.testing.assert_close(model.fc.weight.grad, grad)
+    assert stats["slot_rows"] == [4, 3, 3, 1]
+    with pytest.raises(ValueError, match="position weighting"):
+        dflash_loss(model, batch, anchors, gamma=2.0, weighting="linear")
+
+
+def test_dpace_is_a_setting_that_leaves_decay_runs_keys_alone(tmp_path):
+    """dflash.position_weighting: dpace trains through the CLI; at its default (decay) the
+    new keys stay out of the stage's settings and of the run's cache key, so a run from
+    before D-PACE keeps its checkpoints."""
+    from eagle3flow.config import dflash_stage_settings, schema_defaults
+    from eagle3flow.train import dflash_train
+    from support.builders import make_hidden_states
+    from support.targets import make_chat_target
+
+    target = make_chat_target(tmp_path / "target", family="qwen3")
+    manifest = make_hidden_states(target, tmp_path / "hs", 6, seed=0, aux_layer_ids=(2, 6))
+    dflash_train.main(["--train-manifest", str(manifest), "--eval-manifest", str(manifest), "--target", str(target),
+                       "--cache-root", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "train"),
+                       "--config-json", json.dumps({"block_size": 3, "steps": 2, "position_weighting": "dpace"})])
+    assert json.loads((tmp_path / "train" / "eval.json").read_text())["loss"] > 0
+
+    config = {"dflash": schema_defaults("dflash"), "target": schema_defaults("target")}
+    assert "position_weighting" not in dflash_stage_settings(config)
+    config["dflash"] = {**config["dflash"], "position_weighting": "dpace"}
+    assert dflash_stage_settings(config)["position_weighting"] == "dpace"
+    settings = {**schema_defaults("dflash"), "trust_remote_code": False}
+    before = {k: v for k, v in settings.items() if k not in ("position_weighting", "dpace_alpha")}
+    key = dflash_train.run_fingerprint(settings, manifest, target, torch.device("cpu"))
+    assert key == dflash_train.run_fingerprint(before, manifest, target, torch.device("cpu"))
+    assert key != dflash_train.run_fingerprint({**settings, "position_weighting": "dpace"}, manifest, target,
+                                               torch.device("cpu"))
+
+
 def shard_samples(cfg: DFlashConfig, n: int) -> list[dict]:
     """``n`` samples of 11 rows as a manifest hands them over."""
     samples = []

@@ -7,6 +7,16 @@ weighs ``exp(-(k-1)/gamma)`` (arXiv 2602.06036: an early slot's error ends the a
 run, so early slots matter most), times the row's loss mask and zero past the sample's
 end. The loss is the weighted mean over every scored slot of the batch.
 
+D-PACE (``weighting="dpace"``; Wu et al., arXiv 2605.18810, the default of the established
+trainers' DFlash recipes): the fixed decay replaced by weights from the draft's own
+confidence, recomputed every step and held constant in the backward. With ``q_i`` the
+draft's probability of slot ``i``'s label, smoothed ``q~_i = (1 - alpha) q_i + alpha`` (1 on
+unscored slots), ``P_m = prod_{i <= m} q~_i`` is the chance the accepted run reaches slot
+``m``, and slot ``j`` weighs ``w_j = sum_{m >= j} P_m`` over the scored ``m``: what an error
+at ``j`` costs in expected accepted tokens. The loss is then ``sum_j w_j CE_j`` over the
+batch's scored slots, divided by their number (speculators' normalisation: the weights'
+growth as the draft improves is kept, not divided out).
+
 Anchors: rows whose token is an assistant token (loss mask 1), that have at least one
 row of context before them in their sample and one row after them to predict; up to
 ``anchors_per_sample`` per sample, drawn without replacement by a seeded generator so a
@@ -26,6 +36,7 @@ from eagle3flow.model.dflash import DFlashDraft
 from eagle3flow.model.draft import PackedLayout
 
 TARGETS = ("hard", "soft")
+WEIGHTINGS = ("decay", "dpace")
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -67,8 +78,18 @@ def block_labels(layout: PackedLayout, input_ids: torch.Tensor, loss_mask: torch
     return rows, inside & loss_mask.bool()[rows]
 
 
+def dpace_weights(label_log_probs: torch.Tensor, scored: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``[M, K]`` D-PACE weights (module docstring), zero on unscored slots, no gradient."""
+    with torch.no_grad():
+        q = label_log_probs.float().exp()
+        smoothed = torch.where(scored, (1 - alpha) * q + alpha, torch.ones_like(q))
+        reach = torch.cumprod(smoothed, dim=1) * scored
+        return reach.flip(1).cumsum(1).flip(1) * scored
+
+
 def dflash_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: float,
-                target: str = "hard") -> tuple[torch.Tensor, dict]:
+                target: str = "hard", weighting: str = "decay",
+                dpace_alpha: float = 0.5) -> tuple[torch.Tensor, dict]:
     """Weighted block loss (float32 scalar) and per-slot stats.
 
     ``batch``: ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``, ``loss_mask [N]``,
@@ -78,6 +99,8 @@ def dflash_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: f
     """
     if target not in TARGETS:
         raise ValueError(f"DFlash loss target {target!r} is not one of {TARGETS}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"DFlash position weighting {weighting!r} is not one of {WEIGHTINGS}")
     cfg = model.config
     input_ids = batch["input_ids"].long()
     layout = PackedLayout.from_cu_seqlens(batch["cu_seqlens"], input_ids.device)
@@ -85,15 +108,20 @@ def dflash_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: f
     logits = model.block_logits(batch["aux"], input_ids, batch["cu_seqlens"], anchors, layout).float()
     log_probs = torch.log_softmax(logits, dim=-1)                          # [M, K, V]
     labels = input_ids[rows]
+    label_log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if target == "hard":
-        per_slot = -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        per_slot = -label_log_probs
     else:
         with torch.no_grad():
             # the target's distribution for row r is its lm_head at row r-1
             teacher = torch.softmax(model.lm_head(batch["last"][rows - 1].to(model.lm_head.weight.dtype)).float(), -1)
         per_slot = -(teacher * log_probs).sum(-1)
-    weights = position_weights(cfg.block_size, gamma, logits.device) * scored.float()
-    total = weights.sum()
+    if weighting == "dpace":
+        weights = dpace_weights(label_log_probs, scored, dpace_alpha)
+        total = scored.sum().float()
+    else:
+        weights = position_weights(cfg.block_size, gamma, logits.device) * scored.float()
+        total = weights.sum()
     loss = (per_slot * weights).sum() / total.clamp(min=1e-6)
     with torch.no_grad():
         counts = scored.sum(0)

@@ -66,17 +66,20 @@ def pack(samples: list[dict]) -> dict:
             "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
-def block_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: float, target: str):
+def block_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: float, target: str,
+               weighting: str = "decay", dpace_alpha: float = 0.5):
     """:func:`dflash_loss` of a packed host batch on the model's device (bf16 autocast on CUDA)."""
     device = model.fc.weight.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return dflash_loss(model, to_device(batch, device), anchors.to(device), gamma, target)
+        return dflash_loss(model, to_device(batch, device), anchors.to(device), gamma, target, weighting,
+                           dpace_alpha)
 
 
 def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float = 3e-3,
                  samples_per_step: int = 8, anchors_per_sample: int = 16, gamma: float | None = None,
                  target: str = "hard", seed: int = 0, log_every: int = 0, checkpoint=None,
-                 checkpoint_every: int = 0, resume: dict | None = None) -> list[dict]:
+                 checkpoint_every: int = 0, resume: dict | None = None, weighting: str = "decay",
+                 dpace_alpha: float = 0.5) -> list[dict]:
     """AdamW (cosine decay to 10%) for ``steps`` steps over ``samples``, in a seeded
     order; returns each step's ``{"step", "loss", ...stats}``. On CUDA (the model's device)
     under bf16 autocast. ``checkpoint(step, state)`` is called every ``checkpoint_every``
@@ -107,7 +110,7 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         step_start = time.perf_counter()
         batch = pack([samples[i] for i in chosen])
         anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
-        loss, stats = block_loss(model, batch, anchors, gamma, target)
+        loss, stats = block_loss(model, batch, anchors, gamma, target, weighting, dpace_alpha)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -135,7 +138,8 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
 
 @torch.no_grad()
 def evaluate_dflash(model: DFlashDraft, samples: list[dict], anchors_per_sample: int, gamma: float | None,
-                    target: str = "hard", seed: int = 0, samples_per_batch: int = 8) -> dict:
+                    target: str = "hard", seed: int = 0, samples_per_batch: int = 8, weighting: str = "decay",
+                    dpace_alpha: float = 0.5) -> dict:
     """The block loss and per-slot accuracy (the draft's argmax = the data's token) on
     ``samples`` (the eval split), at seeded anchors: ``{"loss", "slot_accuracy",
     "slot_rows", "num_samples", "anchors"}``."""
@@ -151,7 +155,7 @@ def evaluate_dflash(model: DFlashDraft, samples: list[dict], anchors_per_sample:
         anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
         if not anchors.numel():
             continue
-        loss, stats = block_loss(model, batch, anchors, gamma, target)
+        loss, stats = block_loss(model, batch, anchors, gamma, target, weighting, dpace_alpha)
         scored = sum(stats["slot_rows"])
         loss_sum += float(loss) * scored
         weight_sum += scored
@@ -243,6 +247,9 @@ def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: 
     """What determines the trained weights: the settings (less where the checkpoints go and
     how often), the train split's manifest, the target's identity and the device type."""
     given = {k: v for k, v in settings.items() if k not in ("checkpoint_every", "device", "trust_remote_code")}
+    if given.get("position_weighting", "decay") == "decay":     # runs from before D-PACE keep their key
+        given.pop("position_weighting", None)
+        given.pop("dpace_alpha", None)
     key = {"version": 1, "settings": given, "manifest": shards.sha256_file(train_manifest),
            "target": target_digest(target), "device": device.type}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -296,9 +303,11 @@ def main(argv=None) -> None:
                            settings["loss_target"], settings["seed"], log_every=max(settings["steps"] // 20, 1),
                            checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
                                                                           DFLASH_KEEP_CHECKPOINTS),
-                           checkpoint_every=settings["checkpoint_every"], resume=resume)
+                           checkpoint_every=settings["checkpoint_every"], resume=resume,
+                           weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])
     evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
-                                 settings["gamma"], settings["loss_target"], settings["seed"])
+                                 settings["gamma"], settings["loss_target"], settings["seed"],
+                                 weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])
     out_dir = Path(args.out_dir)
     save_train_dir(model, out_dir)
     write_jsonl(out_dir / "metrics.jsonl", history)
