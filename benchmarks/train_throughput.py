@@ -137,6 +137,42 @@ def make_batch(cfg: DraftConfig, samples: int, sample_tokens: int, mask: str, de
             "last": torch.randn(n, cfg.hidden_size, device=device).to(dtype)}
 
 
+def time_steps(step, warmup: int, iters: int, device: torch.device) -> tuple[dict, object]:
+    """Run ``step()`` ``warmup`` times, then time ``iters`` runs back to back with no host
+    sync between them (per-step times from CUDA events on a GPU); returns the times (and
+    peak memory on a GPU) and the last step's return value."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(warmup):
+        out = step()
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    stamps = []
+    t0 = time.perf_counter()
+    for i in range(iters):
+        if cuda:
+            marks[i].record()
+        stamps.append(time.perf_counter())
+        out = step()
+    if cuda:
+        marks[iters].record()
+    sync()
+    total = time.perf_counter() - t0
+    stamps.append(time.perf_counter())
+    times = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(iters)] if cuda else \
+        [b - a for a, b in zip(stamps, stamps[1:])]
+    result = {"step_s_mean": total / iters, "step_s_median": statistics.median(times),
+              "step_s_min": min(times), "step_s_max": max(times), "warmup_s": warmup_s}
+    if cuda:
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return result, out
+
+
 def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int, device,
              profile: bool = False, ctx: DistContext | None = None, warm_batch: dict | None = None) -> dict:
     """Time ``iters`` steps run back to back as the trainer runs them (no host sync between
@@ -159,35 +195,10 @@ def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int
         optimizer.step()
         return loss, stats
 
-    t0 = time.perf_counter()
     if warm_batch is not None:
         step(warm_batch)
-    for _ in range(warmup):
-        loss, stats = step()
-    sync()
-    warmup_s = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    stamps = []
-    t0 = time.perf_counter()
-    for i in range(iters):
-        if cuda:
-            marks[i].record()
-        stamps.append(time.perf_counter())
-        loss, stats = step()
-    if cuda:
-        marks[iters].record()
-    sync()
-    total = time.perf_counter() - t0
-    stamps.append(time.perf_counter())
-    times = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(iters)] if cuda else \
-        [b - a for a, b in zip(stamps, stamps[1:])]
-    result = {"step_s_mean": total / iters, "step_s_median": statistics.median(times),
-              "step_s_min": min(times), "step_s_max": max(times), "warmup_s": warmup_s,
-              "loss": float(loss), "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]}
-    if cuda:
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    result, (loss, stats) = time_steps(step, warmup, iters, device)
+    result.update({"loss": float(loss), "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]})
     if profile and cuda:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -216,6 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--matmul-size", type=int, help="side of the measured square matmul (8192 on a GPU)")
     ap.add_argument("--profile", action="store_true", help="print a kernel profile of the first case")
+    ap.add_argument("--against", default="", choices=["", "speculators"],
+                    help="also time the established trainer's step on the same shape (benchmarks/"
+                         "established_trainer.py) and print the project's tokens/s over it")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
     args = ap.parse_args(argv)
@@ -279,9 +293,40 @@ def main(argv=None) -> int:
         del model, teacher_head
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.against and setting == "llama8b":
+            established_case(report, setting, args, samples, tokens, device)
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
     print(markdown_table(report))
     ctx.close()
     return 0
+
+
+def established_case(report: dict, setting: str, args, samples: int, tokens: int, device) -> None:
+    """speculators' step on ``setting``'s shape after the project's cases of this run, and
+    each of those cases' tokens/s over it (``ratio_to_established``)."""
+    from established_trainer import build_speculators, run_speculators, speculators_batch
+
+    target, aux_ids = (TINY, [1, 2, 3]) if args.quick else SETTINGS[setting]
+    case = {"setting": setting, "trainer": "speculators 0.9", "mask": "ones", "tokens": samples * tokens,
+            "samples": samples, "sample_tokens": tokens}
+    try:
+        model = build_speculators(target, args.draft_vocab, device)
+        batch = speculators_batch(samples, tokens, int(target["hidden_size"]), len(aux_ids),
+                                  int(target["vocab_size"]), device)
+        case.update(run_speculators(model, batch, args.ttt_steps, args.warmup, args.iters, device))
+        case["tokens_per_s"] = case["tokens"] / case["step_s_mean"]
+        del model, batch
+    except Exception as exc:     # keep the project's numbers
+        case["error"] = f"{type(exc).__name__}: {exc}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report.setdefault("established", []).append(case)
+    print(json.dumps(case), file=sys.stderr, flush=True)
+    if "tokens_per_s" in case:
+        for ours in report["cases"]:
+            if ours["setting"] == setting and ours.get("tokens_per_s"):
+                ours["ratio_to_established"] = ours["tokens_per_s"] / case["tokens_per_s"]
 
 
 def percent(fraction: float | None) -> str:
@@ -313,6 +358,15 @@ def markdown_table(report: dict) -> str:
                      f"{c['tokens_per_s']:,.0f} | {percent(c['mfu'])} | "
                      + (f"{percent(c['mfu_datasheet'])} | " if datasheet else "")
                      + f"{c.get('peak_memory_gib', float('nan')):.1f} |")
+    for e in report.get("established", []):
+        if "error" in e:
+            lines.append(f"\n{e['trainer']} on {e['setting']}: {e['error'][:200]}")
+            continue
+        ratios = ", ".join(f"{c['mask']}/{c['compile']}/{c.get('shapes', '')} {c['ratio_to_established']:.3f}x"
+                           for c in report["cases"] if "ratio_to_established" in c)
+        lines.append(f"\n{e['trainer']} (same run, {e['setting']} {e['samples']} x {e['sample_tokens']}, every "
+                     f"token scored): {e['tokens_per_s']:,.0f} tokens/s, step {e['step_s_mean'] * 1e3:.1f} ms, peak "
+                     f"{e.get('peak_memory_gib', float('nan')):.1f} GiB; the project over it: {ratios}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from eagle3flow.ops.invocation import runs_jobs
 from eagle3flow.ops.drain.state import DRAINED_STAGES, ServiceError, run_id_of, unit_state_dir
 from eagle3flow.ops.stale_lock import clear_stale_lock, record_owner, snakemake_lock_files
 from eagle3flow.target import identity as identity_lib
-from eagle3flow.train.launch import trainer_command
+from eagle3flow.train.launch import DFLASH_TRAINER, trainer_command
 
 # Whether this invocation runs jobs (not a dry run, --lint, --report, ...: those change
 # nothing; eagle3flow/ops/invocation.py). Jobs that re-read the workflow never act either.
@@ -256,7 +256,11 @@ def gpu_stage(stage):
 def trainer_launch():
     """The command that starts the trainer, shell-quoted, for train_draft and the streaming
     links: one process per GPU the job holds unless train.nproc forces N, across
-    train.nodes nodes (eagle3flow/train/launch.py trainer_command)."""
+    train.nodes nodes (eagle3flow/train/launch.py trainer_command); the DFlash trainer on
+    its own section's device."""
+    if DFLASH:
+        return shlex.join(trainer_command({**config["train"], "device": config["dflash"]["device"]},
+                                          "python", DFLASH_TRAINER))
     return shlex.join(trainer_command(config["train"]))
 
 

@@ -5,7 +5,7 @@
 if DFLASH:
 
     # A DFlash draft (train.method: dflash, eagle3flow/train/dflash_train.py): the same
-    # outputs, from the same hidden states, no vocabulary map; one process.
+    # outputs, from the same hidden states, no vocabulary map; started as the EAGLE-3 trainer.
     rule train_draft:
         input:
             **TRAIN_INPUTS,
@@ -20,9 +20,10 @@ if DFLASH:
             cache=f"{LAYOUT.train_cache}/dflash",
             cfg=json_arg_of(config_lib.dflash_stage_settings(config)),
             gpu_stage=gpu_stage("train_draft"),
+            launch=trainer_launch(),
         threads: COMPUTE_THREADS
         resources:
-            **gpu_resources(),
+            **gpu_resources(nodes=config["train"]["nodes"]),
         log:
             f"{LOGS}/train_draft.log",
         benchmark:
@@ -30,7 +31,7 @@ if DFLASH:
         conda:
             CONDA_ENV
         shell:
-            "{params.gpu_stage} --log {log:q} -- python -m eagle3flow.train.dflash_train"
+            "{params.gpu_stage} --log {log:q} -- {params.launch}"
             " --train-manifest {input.train:q} --eval-manifest {input.eval:q} --target {input.target:q}"
             " --out-dir {params.out_dir:q} --cache-root {params.cache:q} --config-json {params.cfg}"
 

@@ -571,3 +571,46 @@ def test_a_yarn_target_gets_a_dflash_draft_placing_positions_as_its_eagle3_draft
     aux = torch.randn(12, len(dflash.target_layer_ids) * dflash.target_hidden_size)
     with torch.no_grad():
         assert model.predict_blocks(aux, ids).shape == (12, dflash.num_speculative_tokens)
+
+
+def test_two_processes_apply_the_one_process_update(tmp_path):
+    """The DFlash trainer under torchrun (the train rule's launch, train.nproc 2, gloo on the
+    CPU): each rank trains a contiguous share of every step's samples (5 a step: 2 and 3)
+    with the anchors one process draws, the loss rescaled to the whole batch's, gradients
+    summed: the losses, per-slot stats and trained weights are one process's up to
+    summation order; rank 0 alone writes."""
+    from safetensors.torch import load_file
+
+    from eagle3flow.train.launch import DFLASH_TRAINER, trainer_command
+    from support.builders import make_hidden_states
+    from support.targets import make_chat_target
+
+    target = make_chat_target(tmp_path / "target", family="qwen3")
+    manifest = make_hidden_states(target, tmp_path / "hs", 12, seed=3, aux_layer_ids=(2, 6))
+    settings = {"block_size": 4, "steps": 5, "samples_per_step": 5, "anchors_per_sample": 3, "device": "cpu",
+                "checkpoint_every": 2}
+
+    def run(nproc: int, out: Path) -> str:
+        cmd = [*trainer_command({"nproc": nproc, "nodes": 1, "device": "cpu"}, sys.executable, DFLASH_TRAINER),
+               "--train-manifest", str(manifest), "--eval-manifest", str(manifest), "--target", str(target),
+               "--out-dir", str(out), "--cache-root", str(tmp_path / f"cache{nproc}"),
+               "--config-json", json.dumps(settings)]
+        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stderr
+
+    assert "x 2 process(es)" in run(2, tmp_path / "two")
+    run(1, tmp_path / "one")
+    two, one = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                for name in ("two", "one"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(5))
+    for a, b in zip(two, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["slot_rows"] == b["slot_rows"] and a["anchors"] == b["anchors"]
+        assert a["slot_accuracy"] == pytest.approx(b["slot_accuracy"], abs=1e-6)
+    weights = [load_file(str(tmp_path / name / "draft.safetensors")) for name in ("two", "one")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-5)
+    assert len(list((tmp_path / "cache2").glob("*/step-*"))) >= 1      # rank 0's checkpoints

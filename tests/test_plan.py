@@ -351,7 +351,9 @@ def test_evaluation_bytes_count_the_answers_sampled_at_temperature(tmp_path):
     hot = stage_row(plan_lib.project(resolved_config(evaluate={"temperatures": [0, 0.6, 1.0],
                                                                "samples_per_prompt": 4}), tmp_path), "evaluate")
     n = resolved_config()["evaluate"]["num_prompts"]
-    per_answer = resolved_config()["evaluate"]["max_tokens"] * 12 + 2000
+    from eagle3flow.ops.plan.project import EVAL_BYTES_PER_ANSWER, EVAL_BYTES_PER_TOKEN
+
+    per_answer = resolved_config()["evaluate"]["max_tokens"] * EVAL_BYTES_PER_TOKEN + EVAL_BYTES_PER_ANSWER
     assert hot.bytes - greedy.bytes == n * 4 * 2 * 2 * per_answer
     assert f"{n * 4 * 2 * 2:,} sampled answers at temperature" in hot.bytes_basis
     regenerated = resolved_config(regenerate={"enabled": True, "temperature": 0.6,

@@ -95,7 +95,8 @@ def dflash_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: f
     ``batch``: ``aux [N, A*Ht]``, ``input_ids [N]``, ``cu_seqlens [B+1]``, ``loss_mask [N]``,
     and ``last [N, H]`` for ``target="soft"``. ``anchors [M]``: :func:`sample_anchors`.
     Stats: ``slot_loss``, ``slot_accuracy`` (argmax = label) and ``slot_rows`` per slot
-    ``1..K`` (lists), ``anchors``.
+    ``1..K`` (lists), ``anchors``, ``loss_denominator`` (what the weighted sum was divided by:
+    several processes rescale to the whole batch's).
     """
     if target not in TARGETS:
         raise ValueError(f"DFlash loss target {target!r} is not one of {TARGETS}")
@@ -128,7 +129,7 @@ def dflash_loss(model: DFlashDraft, batch: dict, anchors: torch.Tensor, gamma: f
         hits = ((logits.argmax(-1) == labels) & scored).sum(0)
         slot_loss = (per_slot * scored).sum(0) / counts.clamp(min=1)
     stats = {"slot_loss": slot_loss.tolist(), "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
-             "slot_rows": counts.tolist(), "anchors": int(anchors.numel())}
+             "slot_rows": counts.tolist(), "anchors": int(anchors.numel()), "loss_denominator": float(total)}
     if not math.isfinite(float(loss.detach())):
         raise FloatingPointError(f"DFlash loss is {float(loss.detach())} (stats {stats})")
     return loss, stats

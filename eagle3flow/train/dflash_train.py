@@ -5,14 +5,19 @@ from the last checkpoint (bitwise on the CPU), and saved as the workflow's train
 eagle3flow/export/dflash.py exports.
 
 The samples are held in memory (the DFlash draft is small and the first targets are);
-on CUDA the step runs under bf16 autocast with fp32 master weights. Streaming and several
-processes are the EAGLE-3 trainer's only (eagle3flow/config.py refuses them with dflash).
+on CUDA the step runs under bf16 autocast with fp32 master weights. Under torchrun
+(eagle3flow/train/launch.py, train.nproc / one process per GPU) each rank takes a contiguous
+share of every step's samples with the anchors a one-process run draws for them, the loss
+is rescaled to the whole batch's denominator and the gradients summed, so every rank
+applies the one-process update; rank 0 checkpoints, evaluates and writes. Streaming is
+the EAGLE-3 trainer's only (rules/streaming_helpers.smk refuses it with dflash).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3flow.atomic import replacing, write_json, write_jsonl
 from eagle3flow.config import TARGET_BORROWED, cli_settings
-from eagle3flow.device import limit_cpu_threads, resolve_device
+from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import shards
 from eagle3flow.progress import Progress
 from eagle3flow.model.dflash import DFlashDraft
@@ -33,6 +38,7 @@ from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
 from eagle3flow.train.checkpoint import list_checkpoints, save_checkpoint
 from eagle3flow.train.data import to_device
+from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
 
 
@@ -79,12 +85,13 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
                  samples_per_step: int = 8, anchors_per_sample: int = 16, gamma: float | None = None,
                  target: str = "hard", seed: int = 0, log_every: int = 0, checkpoint=None,
                  checkpoint_every: int = 0, resume: dict | None = None, weighting: str = "decay",
-                 dpace_alpha: float = 0.5) -> list[dict]:
+                 dpace_alpha: float = 0.5, ctx: DistContext | None = None) -> list[dict]:
     """AdamW (cosine decay to 10%) for ``steps`` steps over ``samples``, in a seeded
     order; returns each step's ``{"step", "loss", ...stats}``. On CUDA (the model's device)
     under bf16 autocast. ``checkpoint(step, state)`` is called every ``checkpoint_every``
     steps with everything a resumed run needs; ``resume`` (such a state) continues from it,
-    bitwise on the CPU."""
+    bitwise on the CPU. ``ctx`` (torchrun): this rank trains its share of each step
+    (module docstring); the checkpoints are rank 0's."""
     cfg = model.config
     gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
     params = [p for p in model.parameters() if p.requires_grad]
@@ -101,39 +108,84 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         schedule.load_state_dict(resume["schedule"])
         generator.set_state(resume["generator"])
         order, history, start = list(resume["order"]), list(resume["history"]), int(resume["step"])
-    progress = Progress("train[dflash]", total=steps, unit="steps", done=start)
+    shared = ctx is not None and ctx.enabled
+    main = ctx is None or ctx.is_main
+    progress = Progress("train[dflash]", total=steps, unit="steps", done=start,
+                        stream=None if main else open(os.devnull, "w"))
     model.train()
     for step in range(start, steps):
         if len(order) < samples_per_step:
             order += torch.randperm(len(samples), generator=generator).tolist()
         chosen, order = order[:samples_per_step], order[samples_per_step:]
         step_start = time.perf_counter()
-        batch = pack([samples[i] for i in chosen])
-        anchors = sample_anchors(batch["cu_seqlens"], batch["loss_mask"], anchors_per_sample, generator)
-        loss, stats = block_loss(model, batch, anchors, gamma, target, weighting, dpace_alpha)
+        picked = [samples[i] for i in chosen]
+        cu = torch.tensor([0] + [s["input_ids"].numel() for s in picked]).cumsum(0)
+        anchors = sample_anchors(cu, torch.cat([s["loss_mask"] for s in picked]), anchors_per_sample, generator)
+        first, last = rank_share(len(picked), ctx) if shared else (0, len(picked))
+        batch = pack(picked[first:last])
+        anchors = anchors[(anchors >= cu[first]) & (anchors < cu[last])] - cu[first]
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if anchors.numel() or not shared:
+            loss, stats = block_loss(model, batch, anchors, gamma, target, weighting, dpace_alpha)
+            if shared:      # this rank's share of the whole batch's weighted mean
+                whole = float(ctx.all_reduce_sum(torch.tensor([stats["loss_denominator"]], dtype=torch.float64))[0])
+                loss = loss * (stats["loss_denominator"] / whole) if whole > 0 else loss * 0.0
+            loss.backward()
+        else:               # no anchor in this rank's samples: it adds nothing but takes part
+            ctx.all_reduce_sum(torch.zeros(1, dtype=torch.float64))
+            loss, stats = None, empty_stats(model.config.num_speculative_tokens)
+        if shared:
+            sum_gradients(params, ctx)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        loss_value = float(loss.detach())      # waits for the step: the rate below is the step's
+        loss_value = float(loss.detach()) if loss is not None else 0.0   # waits for the step
+        if shared:
+            loss_value, stats = whole_batch_stats(loss_value, stats, ctx)
         # step_acc / tokens_per_s: the keys the report reads of any trainer's metrics.jsonl (per
-        # block slot here; context rows of hidden states a second)
+        # block slot here; context rows of hidden states a second, the whole batch's)
         history.append({"step": step, "loss": loss_value, "lr": schedule.get_last_lr()[0],
                         "step_acc": stats["slot_accuracy"],
-                        "tokens_per_s": int(batch["input_ids"].numel()) / (time.perf_counter() - step_start),
+                        "tokens_per_s": int(cu[-1]) / (time.perf_counter() - step_start),
                         **stats})
         progress.update(1, extra=f"loss {history[-1]['loss']:.4f}")
-        if log_every and step % log_every == 0:
+        if main and log_every and step % log_every == 0:
             print(f"dflash step {step}: loss {history[-1]['loss']:.4f} slot accuracy "
                   f"{[round(a, 3) for a in stats['slot_accuracy']]}", flush=True)
-        if checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+        if checkpoint is not None and main and checkpoint_every and (step + 1) % checkpoint_every == 0 \
+                and step + 1 < steps:
             checkpoint(step + 1, {"step": step + 1, "model": model.trainable_state_dict(),
                                   "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                                   "generator": generator.get_state(), "order": order, "history": history})
     progress.close()
     model.eval()
     return history
+
+
+def rank_share(count: int, ctx: DistContext) -> tuple[int, int]:
+    """``[first, last)`` of a step's ``count`` samples this rank trains: contiguous, sizes
+    differing by at most one."""
+    return count * ctx.rank // ctx.world_size, count * (ctx.rank + 1) // ctx.world_size
+
+
+def empty_stats(slots: int) -> dict:
+    return {"slot_loss": [0.0] * slots, "slot_accuracy": [0.0] * slots, "slot_rows": [0] * slots,
+            "anchors": 0, "loss_denominator": 0.0}
+
+
+def whole_batch_stats(loss_share: float, stats: dict, ctx: DistContext) -> tuple[float, dict]:
+    """The step's loss and per-slot stats over every rank's share (one all-reduce)."""
+    rows = torch.tensor(stats["slot_rows"], dtype=torch.float64)
+    local = torch.cat([torch.tensor([loss_share, stats["anchors"], stats["loss_denominator"]], dtype=torch.float64),
+                       rows, rows * torch.tensor(stats["slot_loss"], dtype=torch.float64),
+                       rows * torch.tensor(stats["slot_accuracy"], dtype=torch.float64)])
+    total = ctx.all_reduce_sum(local)
+    k = rows.numel()
+    counts, losses, hits = total[3:3 + k], total[3 + k:3 + 2 * k], total[3 + 2 * k:]
+    return float(total[0]), {"slot_loss": (losses / counts.clamp(min=1)).tolist(),
+                             "slot_accuracy": (hits / counts.clamp(min=1)).tolist(),
+                             "slot_rows": [int(c) for c in counts.tolist()], "anchors": int(total[1]),
+                             "loss_denominator": float(total[2])}
 
 
 @torch.no_grad()
@@ -284,19 +336,31 @@ def main(argv=None) -> None:
         mask = default_mask_token_id(target, settings["trust_remote_code"])
     cfg = DFlashConfig.from_target_config(load_target_config(target), settings["block_size"], mask,
                                           settings["num_hidden_layers"], layers, settings["draft"])
-    device = resolve_device(settings["device"])
+    ctx = init_distributed(settings["device"])
+    try:
+        train_rank(ctx, args, settings, cfg, manifests, target, train_manifest, layers)
+    finally:
+        ctx.close()
+
+
+def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manifests: dict, target: Path,
+               train_manifest: Path, layers: list[int]) -> None:
+    """One process's training (all of it, or its rank's share under torchrun); rank 0
+    evaluates and writes the train dir."""
+    device = ctx.device
     model = build_dflash_draft(target, cfg, settings["seed"]).to(device)
-    if not model.embed_tokens.weight[cfg.mask_token_id].any():
+    if not model.embed_tokens.weight[cfg.mask_token_id].any() and ctx.is_main:
         print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
               "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
     run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device)
     checkpoints = list_checkpoints(run_dir)
     last = checkpoints[-1][1] if checkpoints else None
     resume = torch.load(last / "state.pt", map_location=device, weights_only=False) if last else None
-    print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
-          f"mask {cfg.mask_token_id}, on {device}; checkpoints in {run_dir}"
-          + (f"; resuming from {last.name} (step {resume['step']}/{settings['steps']})" if resume else ""),
-          file=sys.stderr, flush=True)
+    if ctx.is_main:
+        print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
+              f"mask {cfg.mask_token_id}, on {device} x {ctx.world_size} process(es); checkpoints in {run_dir}"
+              + (f"; resuming from {last.name} (step {resume['step']}/{settings['steps']})" if resume else ""),
+              file=sys.stderr, flush=True)
     t0 = time.monotonic()
     history = train_dflash(model, list(manifests["train"].iter_samples()), settings["steps"], settings["lr"],
                            settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
@@ -304,7 +368,10 @@ def main(argv=None) -> None:
                            checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
                                                                           DFLASH_KEEP_CHECKPOINTS),
                            checkpoint_every=settings["checkpoint_every"], resume=resume,
-                           weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])
+                           weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"],
+                           ctx=ctx)
+    if not ctx.is_main:
+        return
     evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
                                  settings["gamma"], settings["loss_target"], settings["seed"],
                                  weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])

@@ -33,15 +33,17 @@ RDZV_PORT = 29517
 # The keys of the train section that say how the trainer is started (the trainer takes them too).
 LAUNCH_KEYS = ("nproc", "nodes", "device")
 TRAINER = "eagle3flow.train.trainer"
+DFLASH_TRAINER = "eagle3flow.train.dflash_train"
 
 
-def trainer_command(train: dict, python: str = "python") -> list[str]:
-    """The command that starts the trainer on every GPU of the job as the config's train
-    section says (nproc, nodes, device); the trainer's own arguments follow it. The one
-    launch line of train_draft and of each streaming link (rules/common.smk trainer_launch)."""
+def trainer_command(train: dict, python: str = "python", module: str = TRAINER) -> list[str]:
+    """The command that starts a trainer (the EAGLE-3 one, or ``module``) on every GPU of the
+    job as the config's train section says (nproc, nodes, device); the trainer's own
+    arguments follow it. The one launch line of train_draft and of each streaming link
+    (rules/common.smk trainer_launch)."""
     launch = {key: train[key] for key in LAUNCH_KEYS}
     return [python, "-m", "eagle3flow.train.launch", "--config-json", json.dumps(launch, sort_keys=True),
-            TRAINER, "--"]
+            module, "--"]
 
 
 def visible_cuda_devices() -> int:

@@ -28,17 +28,25 @@ from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 from eagle3flow.procfs import usable_cores
 
 # Effective FLOP/s when nothing is measured: CPU per core the job holds, from `make demo`
-# on 2 AMD EPYC cores without AVX-512 (2026-12-04: extraction 2 x 4.65M params x 7,600
-# tokens/s, training 6 x 0.76M x 7 x 1,940 tokens/s, each on both cores), scaled by the
-# host's matmul rate (throughput.py cpu_speed); GPU an assumed 40% of a dense bf16 H100/H200.
-ASSUMED_FLOPS = {("cpu", "extract"): 3.5e10, ("cpu", "train"): 3.1e10,
+# on 2 AMD EPYC cores without AVX-512, the mean of two sessions' runs 13-30% apart
+# (2026-12-04 / 2026-12-05: extraction 2 x 4.65M params x 7,600 / 8,630 tokens/s, training
+# 6 x 0.76M x 7 x 1,940 / 2,460 tokens/s, each on both cores), scaled by the host's one-core
+# matmul rate (throughput.py cpu_speed); GPU an assumed 40% of a dense bf16 H100/H200.
+ASSUMED_FLOPS = {("cpu", "extract"): 3.85e10, ("cpu", "train"): 3.5e10,
                  ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
 # A stage process's start before its first token: Python, torch, the target or the shards.
 ASSUMED_STAGE_START_S = 10.0
 # Seconds of the small stages when this directory has never run them.
 ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0, "built-in prompts": 5.0}
-ASSUMED_EVALUATE_S = {"cpu": 60.0, "gpu": 900.0}
+# CPU: make demo's evaluation (two vLLM engines, greedy and at temperature 1, the replay):
+# 1m39s and 1m33s (2026-12-04 / 2026-12-05).
+ASSUMED_EVALUATE_S = {"cpu": 95.0, "gpu": 900.0}
 ASSUMED_PRETRAINED_BUILD_S = 60.0
+# Per answer, greedy or sampled, in each engine's JSON (indented: its ids, its prompt's ids,
+# the baseline's top logits): make demo wrote 2.38 MB for 48 prompts + 192 sampled answers
+# of at most 64 tokens (2026-12-05).
+EVAL_BYTES_PER_TOKEN = 40
+EVAL_BYTES_PER_ANSWER = 7000
 # Reading, sharding and warming up a target on GPUs (vLLM's CUDA graphs included), per byte
 # of its weights: ~25 min for Kimi-K2.5 INT4's ~595 GB, as its production unit restarts.
 ASSUMED_TARGET_LOAD_BYTES_PER_S = 0.4e9
@@ -174,7 +182,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         loads, loads_basis = evaluation_target_loads(ev, total_params)
         s, sb = s + loads * load_s, f"{sb} + {loads} x{load_basis[2:]}: {loads_basis}"
     sampled = sampled_generations(config, n_prompts)
-    proj["evaluate"] = ((n_prompts + sampled) * (ev["max_tokens"] * 12 + 2000) + 20_000,
+    per_answer = ev["max_tokens"] * EVAL_BYTES_PER_TOKEN + EVAL_BYTES_PER_ANSWER
+    proj["evaluate"] = ((n_prompts + sampled) * per_answer + 20_000,
                         "outputs and requests" + (f", {sampled:,} sampled answers at temperature"
                                                   if sampled else ""), s, sb)
     proj["report"] = (600_000, "plots and tables",

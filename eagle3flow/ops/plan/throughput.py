@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,29 +131,42 @@ def attach_actuals(plan: Plan, config: dict, root: Path, peak: int | None) -> Pl
     return plan
 
 
-# One core's fp32 matmul rate (numpy, 512^3, best of 7, every usable core busy) on the host
-# the plan's assumed CPU figures were calibrated on (`make demo`, 2026-12-04, 2 AMD EPYC
-# cores). An assumed CPU rate is scaled by this host's per-core rate over it.
-REFERENCE_CPU_MATMUL_FLOPS_PER_CORE = 71e9
+# One core's fp32 matmul rate (numpy, 512^3, best of 7, one thread) on the hosts the plan's
+# assumed CPU figures were calibrated on (`make demo` on 2 AMD EPYC cores, 2026-12-04 and
+# 2026-12-05). An assumed CPU rate is scaled by this host's per-core rate over it.
+REFERENCE_CPU_MATMUL_FLOPS_PER_CORE = 91e9
 CPU_MATMUL_SIZE = 512
+# Run in a child whose BLAS has one thread: the planner's own process may have any number
+# (Snakemake's OMP_NUM_THREADS, or all cores), and a rate divided by the wrong count read a
+# host at half its speed (make demo 2026-12-05: x0.64 in its final plan, x1.13 in a shell).
+MATMUL_PROBE = f"""
+import time, numpy as np
+rng = np.random.default_rng(0)
+a = rng.standard_normal(({CPU_MATMUL_SIZE}, {CPU_MATMUL_SIZE}), dtype=np.float32)
+b = rng.standard_normal(({CPU_MATMUL_SIZE}, {CPU_MATMUL_SIZE}), dtype=np.float32)
+a @ b
+best = float("inf")
+for _ in range(7):
+    t0 = time.perf_counter()
+    a @ b
+    best = min(best, time.perf_counter() - t0)
+print(2 * {CPU_MATMUL_SIZE} ** 3 / best)
+"""
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")}
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_speed() -> tuple[float, str]:
-    """``(factor, basis)``: this host's per-core fp32 matmul rate over the calibration
-    host's (REFERENCE_CPU_MATMUL_FLOPS_PER_CORE), measured once per process (~10 ms)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((CPU_MATMUL_SIZE, CPU_MATMUL_SIZE), dtype=np.float32)
-    b = rng.standard_normal((CPU_MATMUL_SIZE, CPU_MATMUL_SIZE), dtype=np.float32)
-    a @ b
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    per_core = 2 * CPU_MATMUL_SIZE ** 3 / best / usable_cores()
+    """``(factor, basis)``: this host's one-core fp32 matmul rate over the calibration
+    hosts' (REFERENCE_CPU_MATMUL_FLOPS_PER_CORE), measured once per process in a child
+    with one BLAS thread (~0.3 s); 1.0 where the probe cannot run."""
+    try:
+        out = subprocess.run([sys.executable, "-c", MATMUL_PROBE], env={**os.environ, **ONE_THREAD},
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        per_core = float(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 1.0, "x1.00: this host's matmul rate could not be measured"
     factor = per_core / REFERENCE_CPU_MATMUL_FLOPS_PER_CORE
-    return factor, (f"x{factor:.2f}: this host's fp32 matmul {per_core / 1e9:.0f} GFLOP/s per core against "
+    return factor, (f"x{factor:.2f}: this host's fp32 matmul {per_core / 1e9:.0f} GFLOP/s on one core against "
                     f"{REFERENCE_CPU_MATMUL_FLOPS_PER_CORE / 1e9:.0f} where calibrated")
