@@ -18,7 +18,7 @@ PLAN_STATE = {}
 def start_plan():
     """onstart: the plan with the DAG's jobs, refused if over budget, and the disk sampler."""
     will_run = Counter(job.rule.name for job in workflow.dag.needrun_jobs())
-    plan, refusal = plan_lib.try_project(config, os.getcwd(), dict(will_run))
+    plan, refusal = plan_lib.try_project(config, os.getcwd(), dict(will_run), probe_disk=True)
     if plan is not None:
         print(plan_lib.render(plan), flush=True)
         write_json(Path(PLAN_DIR) / "plan.json", plan.to_json())

@@ -469,8 +469,11 @@ def test_the_plan_says_when_the_disk_cannot_feed_the_gpus(tmp_path):
     assert "1.31 GB/s" in note and "1.00 GB/s" in note and "extract.storage_dtype: fp8" in note
     assert f"{HEADROOM * 1e9 / 32768:,.0f} tokens/s" in note
     assert "storage_dtype: fp8" not in read_rate_note(40_000, 16448, 1e8, tmp_path, "float8_e4m3fn")
-    # A node of 8 GPUs training a small draft needs more than any disk reads; a CPU run never asks.
-    on_eight = plan_lib.project(resolved_config(resources={"gpus": 8}), tmp_path)
+    # A node of 8 GPUs training a small draft needs more than any disk reads; a CPU run never
+    # asks, nor the plan made when the workflow is read (it reads files only).
+    on_eight = plan_lib.project(resolved_config(resources={"gpus": 8}), tmp_path, probe_disk=True)
     assert any("would read hidden states at" in n for n in on_eight.notes), on_eight.notes
-    on_cpu = plan_lib.project(resolved_config(resources={"gpus": 0}), tmp_path)
+    on_cpu = plan_lib.project(resolved_config(resources={"gpus": 0}), tmp_path, probe_disk=True)
     assert not any("would read hidden states at" in n for n in on_cpu.notes)
+    when_read, _ = plan_lib.plan_when_read(resolved_config(resources={"gpus": 8}), tmp_path)
+    assert not any("would read hidden states at" in n for n in when_read.notes)

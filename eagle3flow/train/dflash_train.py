@@ -121,7 +121,7 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         picked = [samples[i] for i in chosen]
         cu = torch.tensor([0] + [s["input_ids"].numel() for s in picked]).cumsum(0)
         anchors = sample_anchors(cu, torch.cat([s["loss_mask"] for s in picked]), anchors_per_sample, generator)
-        first, last = rank_share(len(picked), ctx) if shared else (0, len(picked))
+        first, last = rank_samples(len(picked), ctx) if shared else (0, len(picked))
         batch = pack(picked[first:last])
         anchors = anchors[(anchors >= cu[first]) & (anchors < cu[last])] - cu[first]
         optimizer.zero_grad(set_to_none=True)
@@ -162,7 +162,7 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
     return history
 
 
-def rank_share(count: int, ctx: DistContext) -> tuple[int, int]:
+def rank_samples(count: int, ctx: DistContext) -> tuple[int, int]:
     """``[first, last)`` of a step's ``count`` samples this rank trains: contiguous, sizes
     differing by at most one."""
     return count * ctx.rank // ctx.world_size, count * (ctx.rank + 1) // ctx.world_size

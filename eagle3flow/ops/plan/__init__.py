@@ -101,11 +101,11 @@ def plan_when_read(config: dict, root: str | os.PathLike, quiet: bool = False):
 
 
 def try_project(config: dict, root: str | os.PathLike, will_run: dict[str, int] | None = None,
-                quiet: bool = False):
+                quiet: bool = False, probe_disk: bool = False):
     """(plan, refusal). A plan that cannot be made (the target's config.json or the dataset
     not here yet) is a refusal only when a budget is set; else a warning and (None, None)."""
     try:
-        plan = project(config, root, will_run)
+        plan = project(config, root, will_run, probe_disk)
     except (OSError, KeyError, ValueError) as error:
         storage = config.get("storage") or {}
         if storage.get("max_bytes") is not None or parse_bytes(storage.get("min_free_bytes")):
@@ -153,7 +153,7 @@ def plan_via_snakemake(snakemake_args: list[str], workdir: Path) -> tuple[Plan |
         with open(config_out) as f:
             config = json.load(f)
     will_run = parse_job_stats(output) if result.returncode == 0 else None
-    return try_project(config, workdir, will_run)[0], output, result.returncode
+    return try_project(config, workdir, will_run, probe_disk=True)[0], output, result.returncode
 
 
 def main(argv=None) -> int:

@@ -28,19 +28,19 @@ from eagle3flow.ops.plan.sizes import newest_subdirs_bytes, tree_bytes
 from eagle3flow.procfs import usable_cores
 
 # Effective FLOP/s when nothing is measured: CPU per core the job holds, from `make demo`
-# on 2 AMD EPYC cores without AVX-512, the mean of two sessions' runs 13-30% apart
-# (2026-12-04 / 2026-12-05: extraction 2 x 4.65M params x 7,600 / 8,630 tokens/s, training
-# 6 x 0.76M x 7 x 1,940 / 2,460 tokens/s, each on both cores), scaled by the host's one-core
-# matmul rate (throughput.py cpu_speed); GPU an assumed 40% of a dense bf16 H100/H200.
-ASSUMED_FLOPS = {("cpu", "extract"): 3.85e10, ("cpu", "train"): 3.5e10,
+# on 2 AMD EPYC cores without AVX-512, the mean of three runs up to 30% apart (2026-12-04,
+# 2026-12-05 twice: extraction 2 x 4.65M params x 7,600 / 8,630 / 8,630 tokens/s, training
+# 6 x 0.76M x 7 x 1,940 / 2,460 / 2,650 tokens/s, each on both cores), scaled by the host's
+# one-core matmul rate (throughput.py cpu_speed); GPU an assumed 40% of a dense bf16 H100/H200.
+ASSUMED_FLOPS = {("cpu", "extract"): 3.85e10, ("cpu", "train"): 3.75e10,
                  ("gpu", "extract"): 4.0e14, ("gpu", "train"): 4.0e14}
 # A stage process's start before its first token: Python, torch, the target or the shards.
 ASSUMED_STAGE_START_S = 10.0
 # Seconds of the small stages when this directory has never run them.
 ASSUMED_SECONDS = {"prepare dataset": 20.0, "vocab": 5.0, "export": 5.0, "report": 15.0, "built-in prompts": 5.0}
 # CPU: make demo's evaluation (two vLLM engines, greedy and at temperature 1, the replay):
-# 1m39s and 1m33s (2026-12-04 / 2026-12-05).
-ASSUMED_EVALUATE_S = {"cpu": 95.0, "gpu": 900.0}
+# 1m39s, 1m33s and 1m15s (2026-12-04, 2026-12-05 twice).
+ASSUMED_EVALUATE_S = {"cpu": 85.0, "gpu": 900.0}
 ASSUMED_PRETRAINED_BUILD_S = 60.0
 # Per answer, greedy or sampled, in each engine's JSON (indented: its ids, its prompt's ids,
 # the baseline's top logits): make demo wrote 2.38 MB for 48 prompts + 192 sampled answers
@@ -55,11 +55,14 @@ ASSUMED_TARGET_LOAD_BYTES_PER_S = 0.4e9
 ASSUMED_REPLAY_DEVICE_BYTES = 80e9
 
 
-def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None) -> Plan:
+def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int] | None = None,
+            probe_disk: bool = False) -> Plan:
     """The plan for ``config`` (validated, defaults filled) in workflow directory ``root``.
 
     ``will_run``: jobs per rule Snakemake will run (its DAG); None = judge each stage by
-    whether its files exist.
+    whether its files exist. ``probe_disk``: measure the cache disk's read rate (a probe
+    file written and read back) for the note on whether it feeds the GPUs: the run's own
+    plan and the plan CLI, never the plan made when the workflow is read (which reads only).
     """
     root = Path(root)
     target, target_basis = target_config(config, root)
@@ -238,7 +241,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
 
     plan = _with_streaming(assemble(proj), assemble, proj, config, root, target)
     training = any(r.name == "train" and r.status == "run" for r in plan.stages)
-    if gpus and train_cfg["method"] != "dflash" and training:
+    if probe_disk and gpus and train_cfg["method"] != "dflash" and training:
         # The GPUs' appetite for hidden states against the disk they sit on (its own probe).
         cache = real_path("cache/hidden_states", config, root)
         note = read_rate_note(rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))[0], per_token,

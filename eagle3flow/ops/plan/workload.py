@@ -17,14 +17,14 @@ from eagle3flow.target.shapes import SHAPES
 # Measured on `make demo` (the embedded default, 2 AVX2 cores, 2026-12-03): 4,000
 # conversations render to 647,045 tokens with the chat template (161.8 each, what
 # extraction and training count), their JSONL 4.3 bytes per token, the tokenized parquet
-# 1.2; the target build at ~1,325 tokens/s per core (1,600 steps of 1,024 tokens in 706 s and
-# 544 s on 2 AMD EPYC cores without AVX-512, 2026-12-04 / 2026-12-05; scaled by the host's
-# one-core matmul rate).
+# 1.2; the target build at ~1,400 tokens/s per core (1,600 steps of 1,024 tokens in 706 s,
+# 544 s and 501 s on 2 AMD EPYC cores without AVX-512, 2026-12-04 and 2026-12-05 twice;
+# scaled by the host's one-core matmul rate).
 EMBEDDED_TOKENS_PER_CONVERSATION = 161.8
 EMBEDDED_JSONL_BYTES_PER_TOKEN = 4.3
 RAW_BYTES_PER_TOKEN = 4.0          # a raw chat JSON/JSONL file, roughly, when nothing is measured
 PARQUET_BYTES_PER_TOKEN = 1.2
-EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE = 1325
+EMBEDDED_BUILD_TOKENS_PER_S_PER_CORE = 1400
 EMBEDDED_BUILD_STEP_TOKENS = 4 * 256     # eagle3flow/embedded/build.py TrainOptions: batch_size x block_size
 ASSUMED_SERVER_TOKENS_PER_S = 2000
 # The target's own answers (regenerate.enabled), before any answer exists: an answer
