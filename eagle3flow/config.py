@@ -332,18 +332,24 @@ def export_stage_settings(config: dict) -> dict:
     return {**config["export"], **borrowed_values(config, EXPORT_BORROWED)}
 
 
-# Keys added after DFlash drafts were first trained: at their defaults they stay out of the
-# stage's settings, so a finished run's params (and cache key) stay what they were.
-DFLASH_ONLY_WHEN_SET = ("position_weighting", "dpace_alpha")
+# D-PACE's keys, added after DFlash drafts were first trained: they mean something only with
+# position_weighting dpace, and only then enter the stage's settings and the run's cache
+# key, so a decay run's params and checkpoints stay what they were.
+DPACE_KEYS = ("position_weighting", "dpace_alpha")
+
+
+def without_unused_dpace_keys(dflash: dict) -> dict:
+    """The dflash settings less DPACE_KEYS unless position_weighting is dpace (the one rule
+    for the train_draft params and eagle3flow/train/dflash_train.py run_fingerprint)."""
+    if dflash.get("position_weighting", "decay") == "dpace":
+        return dict(dflash)
+    return {key: value for key, value in dflash.items() if key not in DPACE_KEYS}
 
 
 def dflash_stage_settings(config: dict) -> dict:
-    """The DFlash trainer's --config-json: the dflash section (less DFLASH_ONLY_WHEN_SET at
-    their defaults) and TARGET_BORROWED."""
-    defaults = schema_defaults("dflash")
-    kept = {key: value for key, value in config["dflash"].items()
-            if key not in DFLASH_ONLY_WHEN_SET or value != defaults[key]}
-    return {**kept, **borrowed_values(config, TARGET_BORROWED)}
+    """The DFlash trainer's --config-json: the dflash section (less the D-PACE keys unless
+    it weighs by D-PACE) and TARGET_BORROWED."""
+    return {**without_unused_dpace_keys(config["dflash"]), **borrowed_values(config, TARGET_BORROWED)}
 
 
 def model_card_settings(config: dict) -> dict:

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3flow.atomic import replacing, write_json, write_jsonl
-from eagle3flow.config import TARGET_BORROWED, cli_settings
+from eagle3flow.config import TARGET_BORROWED, cli_settings, without_unused_dpace_keys
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import shards
 from eagle3flow.progress import Progress
@@ -298,10 +298,8 @@ def unused_special_tokens(tokenizer, vocab_size: int) -> list[int]:
 def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: torch.device) -> str:
     """What determines the trained weights: the settings (less where the checkpoints go and
     how often), the train split's manifest, the target's identity and the device type."""
-    given = {k: v for k, v in settings.items() if k not in ("checkpoint_every", "device", "trust_remote_code")}
-    if given.get("position_weighting", "decay") == "decay":     # runs from before D-PACE keep their key
-        given.pop("position_weighting", None)
-        given.pop("dpace_alpha", None)
+    given = {k: v for k, v in without_unused_dpace_keys(settings).items()
+             if k not in ("checkpoint_every", "device", "trust_remote_code")}
     key = {"version": 1, "settings": given, "manifest": shards.sha256_file(train_manifest),
            "target": target_digest(target), "device": device.type}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

@@ -160,6 +160,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
                        f"{r:,.0f} tokens/s, {rb}" + load_basis + f" + {ASSUMED_STAGE_START_S:.0f}s start")
     proj["vocab"] = (vocab_map_bytes + 1000, f"d2t/t2d for {draft_vocab} of {target['vocab_size']}",
                      *scaled_seconds("build_vocab_map", tokens, ASSUMED_SECONDS["vocab"], "assumed"))
+    train_rate = None      # an EAGLE-3 draft's projected tokens/s (the disk probe's basis)
     if train_cfg["method"] == "dflash":
         draft_params, checkpoint, proj["train"] = dflash_train_projection(config, target, aux_ids, work, rate)
     else:
@@ -168,6 +169,7 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
         metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
         r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))
+        train_rate = r
         # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
         # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
         proj["train"] = (keep * checkpoint + draft_params * 4 + metrics_bytes,
@@ -241,11 +243,10 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
 
     plan = _with_streaming(assemble(proj), assemble, proj, config, root, target)
     training = any(r.name == "train" and r.status == "run" for r in plan.stages)
-    if probe_disk and gpus and train_cfg["method"] != "dflash" and training:
+    if probe_disk and gpus and train_rate and training:
         # The GPUs' appetite for hidden states against the disk they sit on (its own probe).
         cache = real_path("cache/hidden_states", config, root)
-        note = read_rate_note(rate("train", 6 * draft_params * int(train_cfg["ttt_steps"]))[0], per_token,
-                              measure_read_rate(cache), cache, dtype)
+        note = read_rate_note(train_rate, per_token, measure_read_rate(cache), cache, dtype)
         if note:
             plan.notes.append(note)
     if config["target"].get("trust_remote_code"):
