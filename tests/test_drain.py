@@ -29,7 +29,7 @@ from support.box import NUM_GPUS, UNIT, FakeBox, run_snakemake, snakemake_args, 
 from support.deadline import deadline
 from support.fault_rows import box_row, killed_by_a_signal, yes
 from support.processes import alive
-from support.workflow import REPO, start_snakemake
+from support.workflow import REPO
 
 
 @pytest.fixture
@@ -890,60 +890,5 @@ def test_workflow_refuses_to_drain_for_a_cpu_only_environment(upstream, tmp_path
         assert_refused_untouched(box, log, calls)
         assert not (workdir / "logs" / "extract_hidden_states_0.log").exists(), "a GPU stage started"
         assert not box.downtime()
-    finally:
-        box.close()
-
-
-@pytest.mark.slow
-def test_failed_extraction_brings_the_unit_back(upstream, tmp_path):
-    # A device the node has not makes extraction fail after the drain, as a crash would
-    # (a valid form of device: the preflight passes it).
-    box, workdir, config = fresh_run(upstream, tmp_path)
-    try:
-        data = json.loads(config.read_text())
-        data["extract"] = {"device": "cuda:99"}
-        config.write_text(json.dumps(data))
-        result = run_snakemake(box, workdir, *snakemake_args(workdir, config), "--until", "train_draft")
-        assert result.returncode != 0
-        assert box.healthy() and len(box.calls("stop")) == 1 and len(box.calls("start")) == 1 + 1
-        [record] = box.downtime()
-        assert record["reason"].startswith("extract_hidden_states failed (rc=") and record["healthy"]
-        assert box.session() is None
-        assert not (workdir / "results" / "hidden_states" / "train" / "manifest.json").exists()
-    finally:
-        box.close()
-
-
-@pytest.mark.slow
-def test_sigkilled_workflow_is_restored_by_the_watchdog(upstream, tmp_path):
-    box, workdir, config = fresh_run(upstream, tmp_path)
-    try:
-        log = tmp_path / "run.log"
-        proc = start_snakemake(workdir, *snakemake_args(workdir, config), "--until", "train_draft",
-                               log=log, PATH=box.env["PATH"], FAKE_SYSTEMD_DIR=box.env["FAKE_SYSTEMD_DIR"],
-                               FAKE_GPU_DIR=box.env["FAKE_GPU_DIR"], EAGLE3FLOW_TEST_SHARD_DELAY="30")
-        session = box.state_dir / "session.json"
-        extract_log = workdir / "logs" / "extract_hidden_states_0.log"
-        deadline = time.monotonic() + 120
-        while not (session.exists() and extract_log.exists() and "watchdog_pid" in session.read_text()):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        [watchdog] = box.watchdogs()
-        assert not box.healthy()
-        os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its jobs: no onerror runs
-        proc.wait()
-        assert alive(watchdog), "the watchdog is in its own session and survives"
-        deadline = time.monotonic() + 30
-        while not box.downtime():  # written once the restarted unit answers /health
-            assert time.monotonic() < deadline, (box.state_dir / "watchdog.log").read_text()
-            time.sleep(0.2)
-        assert box.healthy()
-        [record] = box.downtime()
-        assert record["reason"].startswith(f"watchdog: Snakemake pid {proc.pid} died")
-        deadline = time.monotonic() + 10
-        while alive(watchdog) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(watchdog), "the watchdog exits once the unit is back"
     finally:
         box.close()

@@ -280,9 +280,14 @@ def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
     if stage == "evaluate_draft":
         time.sleep(3)   # inside vLLM's start-up
     shards, checkpoints = sc.shards(), sc.checkpoints()
-    os.killpg(proc.pid, signal.SIGKILL)
+    watchdogs = sc.box.watchdogs()
+    assert watchdogs and not sc.box.healthy(), sc.session()
+    os.killpg(proc.pid, signal.SIGKILL)     # Snakemake and its jobs: no onerror runs
     proc.wait()
+    assert all(alive(w) for w in watchdogs), "the watchdog is in its own session and survives"
     sc.wait_restored("the watchdog's restore")
+    # Once the unit is back it has nothing left to guard.
+    sc.wait(lambda: not any(alive(w) for w in watchdogs), 10, "the watchdog to exit after its restore")
     rerun = sc.run(*targets)
     jobs = plan_lib.parse_job_stats(rerun.stdout + rerun.stderr)
     recomputed, rc = rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints()), rerun.returncode
@@ -296,7 +301,7 @@ def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
                     recomputed=recomputed, consistent=consistent,
                     notes=f"restored by the watchdog; rerun rc={rc}, its jobs {jobs}")
     assert rc == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    assert sc.box.downtime()[0]["reason"].startswith("watchdog:"), sc.box.downtime()
+    assert sc.box.downtime()[0]["reason"].startswith(f"watchdog: Snakemake pid {proc.pid} died"), sc.box.downtime()
     assert not sc.started_on_busy_gpus(), sc.box.starts()
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and recomputed == 0 and ok, row
 
@@ -310,10 +315,14 @@ def test_gpu_stage_that_fails(scenario):
     result = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
     records = sc.box.downtime()
+    # drained once, started again once (after the box's own start), nothing of the stage kept
+    assert len(sc.box.calls("stop")) == 1 and len(sc.box.calls("start")) == 1 + 1, sc.box.calls("start")
+    assert not (sc.workdir / "results" / "hidden_states" / "train" / "manifest.json").exists()
     row = sc.record(scenario="a GPU stage that fails", fault_at="extract_hidden_states (rc=1)",
                     recomputed=0, consistent=consistent,
                     notes=f"reason: {records[-1]['reason'] if records else '-'}; run rc={result.returncode}")
-    assert result.returncode != 0 and records and records[-1]["reason"] == "extract_hidden_states failed (rc=1)"
+    assert result.returncode != 0 and len(records) == 1, records
+    assert records[0]["reason"] == "extract_hidden_states failed (rc=1)" and records[0]["healthy"], records
     assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and ok, row
 
 
