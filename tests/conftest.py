@@ -214,7 +214,8 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
     """Every phase's time (a module fixture's set-up counts to the test that made it),
     summed per group; under xdist the controller sees every worker's reports."""
-    path, _, rest = report.nodeid.partition("::")
+    # under --dist loadgroup xdist appends "@<group>" to the node id
+    path, _, rest = report.nodeid.split("@", 1)[0].partition("::")
     GROUP_SECONDS[group_of(Path(path).name, rest.split("[", 1)[0].split("::")[-1])] += report.duration
 
 

@@ -226,84 +226,101 @@ TRAINED = ("results/train/draft.safetensors",)     # streaming: train_partition_
 # ----------------------------------------------------------------------------- scenarios
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["extraction", "training"])
-def test_snakemake_main_process_killed_its_job_lives_on(scenario, stage):
-    """Only the Snakemake main process is SIGKILLed: the GPU job is orphaned and runs to its
-    end. The unit must not be started while it holds the GPUs, must come back once it
-    ended, and the rerun (no --unlock) must recompute nothing finished."""
+def test_snakemake_main_process_killed_its_job_lives_on(scenario):
+    """Only the Snakemake main process is SIGKILLed, during extraction and then (the rerun)
+    during training: the GPU job is orphaned and runs to its end. The unit must not be
+    started while it holds the GPUs, must come back once it ended, and each rerun (no
+    --unlock) must recompute nothing finished. One workflow copy for both kills."""
     sc = scenario()
-    slow = {"EAGLE3FLOW_TEST_SHARD_DELAY": "2"} if stage == "extraction" else {"EAGLE3FLOW_TEST_STEP_DELAY": "1"}
-    proc = sc.start(*UNTIL, **slow)
-    module = "eagle3flow.extract" if stage == "extraction" else "eagle3flow.train.trainer"
-    ready = (lambda: len(sc.shards()) >= 1) if stage == "extraction" else (lambda: len(sc.checkpoints()) >= 1)
-    sc.wait(lambda: ready() and stage_pids(sc, module), 240, f"a finished {stage} file", proc)
-    shards, checkpoints = sc.shards(), sc.checkpoints()
-    orphan = stage_pids(sc, module)
-    os.kill(proc.pid, signal.SIGKILL)              # the main process only
-    proc.wait()
-    sc.wait(lambda: not any(alive(p) for p in orphan), 240, "the orphaned job to end")
-    orphan_end = time.time()
-    sc.wait_restored("the unit to be restored")
-    starts_after = [s for s in sc.box.starts() if s["at"] >= orphan_end - 1]
+    stages = {"extraction": ("eagle3flow.extract", {"EAGLE3FLOW_TEST_SHARD_DELAY": "2"}, lambda: len(sc.shards()) >= 1),
+              "training": ("eagle3flow.train.trainer", {"EAGLE3FLOW_TEST_STEP_DELAY": "1"},
+                           lambda: len(sc.checkpoints()) >= 1)}
+    killed = []   # (stage, shards, checkpoints, starts after the orphan ended)
+    for stage, (module, slow, ready) in stages.items():
+        proc = sc.start(*UNTIL, name=f"run-{stage}", **slow)
+        sc.wait(lambda: ready() and stage_pids(sc, module), 240, f"a finished {stage} file", proc)
+        shards, checkpoints = sc.shards(), sc.checkpoints()
+        orphan = stage_pids(sc, module)
+        os.kill(proc.pid, signal.SIGKILL)              # the main process only
+        proc.wait()
+        sc.wait(lambda: not any(alive(p) for p in orphan), 240, "the orphaned job to end")
+        orphan_end = time.time()
+        sc.wait_restored("the unit to be restored")
+        killed.append((stage, shards, checkpoints, [s for s in sc.box.starts() if s["at"] >= orphan_end - 1]))
     rerun = sc.run(*UNTIL)
     ok, consistent = sc.consistent()
-    row = sc.record(scenario=f"SIGKILL of the Snakemake main process only, during {stage} (job orphaned)",
-                    fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
-                    recomputed=rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints()),
-                    consistent=consistent,
-                    notes=f"unit started on busy GPUs {len(sc.started_on_busy_gpus())} time(s); restored after the "
-                          f"orphan ended ({len(starts_after)} start(s) after it); rerun rc={rerun.returncode}, no --unlock")
+    rows = []
+    for i, (stage, shards, checkpoints, starts_after) in enumerate(killed):
+        nxt = f"the next run killed during {killed[i + 1][0]}" if i + 1 < len(killed) else \
+            f"rerun rc={rerun.returncode}, no --unlock"
+        rows.append(sc.record(
+            scenario=f"SIGKILL of the Snakemake main process only, during {stage} (job orphaned)",
+            fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
+            recomputed=rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints()),
+            consistent=consistent,
+            notes=f"unit started on busy GPUs {len(sc.started_on_busy_gpus())} time(s); restored after the "
+                  f"orphan ended ({len(starts_after)} start(s) after it); {nxt}"))
+        assert starts_after, f"the unit came back after the {stage} orphan ended"
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
     assert not sc.started_on_busy_gpus(), sc.box.starts()
-    assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
+    for row in rows:
+        assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["extract_hidden_states", "train_draft", "evaluate_draft"])
-def test_whole_process_group_killed_at_each_gpu_stage(scenario, stage):
+def test_whole_process_group_killed_at_each_gpu_stage(scenario):
     """SIGKILL of Snakemake and every job of its process group (a lost session, the OOM
-    killer, kill -9 -PGID): the watchdog restores the unit once the stage's processes are
-    gone, and the rerun recomputes nothing finished."""
+    killer, kill -9 -PGID) during each GPU stage in turn: extraction, then (the rerun)
+    training, then (the next rerun) the evaluation. Each time the watchdog restores the
+    unit once the stage's processes are gone and exits, and the rerun recomputes nothing
+    finished. One workflow copy for the three kills: each rerun is the next kill's run."""
     # vLLM's CPU build serves the evaluation here: one process, no tensor parallelism.
-    sc = scenario(**({"evaluate": {"device": "cpu"}} if stage == "evaluate_draft" else {}))
-    module = {"extract_hidden_states": "eagle3flow.extract", "train_draft": "eagle3flow.train.trainer",
-              "evaluate_draft": "eagle3flow.eval.evaluate"}[stage]
-    targets = UNTIL if stage != "evaluate_draft" else ("results/eval/summary.json",)
+    sc = scenario(evaluate={"device": "cpu"})
+    targets = ("results/eval/summary.json",)
+    modules = {"extract_hidden_states": "eagle3flow.extract", "train_draft": "eagle3flow.train.trainer",
+               "evaluate_draft": "eagle3flow.eval.evaluate"}
     # Slowed only where the kill must land: between shards, between checkpoints.
     slow = {"extract_hidden_states": {"EAGLE3FLOW_TEST_SHARD_DELAY": "2"},
-            "train_draft": {"EAGLE3FLOW_TEST_STEP_DELAY": "1"}, "evaluate_draft": {}}[stage]
-    proc = sc.start(*targets, **slow)
+            "train_draft": {"EAGLE3FLOW_TEST_STEP_DELAY": "1"}, "evaluate_draft": {}}
     ready = {"extract_hidden_states": lambda: len(sc.shards()) >= 1,
-             "train_draft": lambda: len(sc.checkpoints()) >= 1,
-             "evaluate_draft": lambda: True}[stage]
-    sc.wait(lambda: ready() and stage_pids(sc, module), 400, f"{stage} running", proc)
-    if stage == "evaluate_draft":
-        time.sleep(3)   # inside vLLM's start-up
-    shards, checkpoints = sc.shards(), sc.checkpoints()
-    watchdogs = sc.box.watchdogs()
-    assert watchdogs and not sc.box.healthy(), sc.session()
-    os.killpg(proc.pid, signal.SIGKILL)     # Snakemake and its jobs: no onerror runs
-    proc.wait()
-    assert all(alive(w) for w in watchdogs), "the watchdog is in its own session and survives"
-    sc.wait_restored("the watchdog's restore")
-    # Once the unit is back it has nothing left to guard.
-    sc.wait(lambda: not any(alive(w) for w in watchdogs), 10, "the watchdog to exit after its restore")
+             "train_draft": lambda: len(sc.checkpoints()) >= 1, "evaluate_draft": lambda: True}
+    killed = []   # (stage, pid, shards, checkpoints) at each kill
+    for stage in modules:
+        proc = sc.start(*targets, name=f"run-{stage}", **slow[stage])
+        sc.wait(lambda: ready[stage]() and stage_pids(sc, modules[stage]), 400, f"{stage} running", proc)
+        if stage == "evaluate_draft":
+            time.sleep(3)   # inside vLLM's start-up
+        killed.append((stage, proc.pid, sc.shards(), sc.checkpoints()))
+        watchdogs = sc.box.watchdogs()
+        assert watchdogs and not sc.box.healthy(), sc.session()
+        os.killpg(proc.pid, signal.SIGKILL)     # Snakemake and its jobs: no onerror runs
+        proc.wait()
+        assert all(alive(w) for w in watchdogs), "the watchdog is in its own session and survives"
+        sc.wait_restored(f"the watchdog's restore after the kill during {stage}")
+        # Once the unit is back it has nothing left to guard.
+        sc.wait(lambda: not any(alive(w) for w in watchdogs), 10, "the watchdog to exit after its restore")
     rerun = sc.run(*targets)
-    jobs = plan_lib.parse_job_stats(rerun.stdout + rerun.stderr)
-    recomputed, rc = rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints()), rerun.returncode
-    if stage == "evaluate_draft":
-        # Nothing upstream of the evaluation ran again.
-        recomputed += sum(v for k, v in jobs.items()
-                          if k not in ("evaluate_draft", "drain_service", "preflight_before_drain"))
+    rc, jobs = rerun.returncode, plan_lib.parse_job_stats(rerun.stdout + rerun.stderr)
     ok, consistent = sc.consistent()
-    row = sc.record(scenario=f"SIGKILL of the whole process group during {stage}",
-                    fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
-                    recomputed=recomputed, consistent=consistent,
-                    notes=f"restored by the watchdog; rerun rc={rc}, its jobs {jobs}")
+    records = sc.box.downtime()
+    rows = []
+    for i, (stage, pid, shards, checkpoints) in enumerate(killed):
+        recomputed = rewritten(shards, sc.shards()) + rewritten(checkpoints, sc.checkpoints())
+        if stage == "evaluate_draft":
+            # Nothing upstream of the evaluation ran again.
+            recomputed += sum(v for k, v in jobs.items()
+                              if k not in ("evaluate_draft", "drain_service", "preflight_before_drain"))
+        nxt = f"the next run killed during {killed[i + 1][0]}" if i + 1 < len(killed) else f"rerun rc={rc}, its jobs {jobs}"
+        rows.append(sc.record(scenario=f"SIGKILL of the whole process group during {stage}",
+                              fault_at=f"{stage}, {len(shards)} shard(s) / {len(checkpoints)} checkpoint(s) finished",
+                              recomputed=recomputed, consistent=consistent,
+                              notes=f"restored by the watchdog; {nxt}"))
+        assert records[i]["reason"].startswith(f"watchdog: Snakemake pid {pid} died"), records
     assert rc == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    assert sc.box.downtime()[0]["reason"].startswith(f"watchdog: Snakemake pid {proc.pid} died"), sc.box.downtime()
+    assert len(records) == len(killed) + 1, records     # the last run's own drain/restore cycle
     assert not sc.started_on_busy_gpus(), sc.box.starts()
-    assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and recomputed == 0 and ok, row
+    for row in rows:
+        assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
 
 
 @pytest.mark.slow
@@ -504,10 +521,15 @@ def budget_for(sc: Scenario, in_flight: int, partitions: int = 3) -> int:
     """A storage budget under which the plan streams `partitions` with `in_flight` on disk,
     halfway between the smallest such budget and the smallest for one more (the leftovers
     of a killed link must not push the rerun over it)."""
-    extra = {"extract": {"partitions": partitions}}
+    import copy
+
+    # resolved once: the bisection below only moves storage.max_bytes
+    base = resolved(sc, extract={"partitions": partitions}, storage={"max_bytes": 1})
 
     def flight(budget: int) -> int:
-        plan = plan_lib.project(resolved(sc, **extra, storage={"max_bytes": budget}), sc.workdir)
+        config = copy.deepcopy(base)
+        config["storage"]["max_bytes"] = budget
+        plan = plan_lib.project(config, sc.workdir)
         return plan.workload.get("streaming", {}).get("in_flight", partitions if plan.refusal is None else 0)
 
     def smallest(at_least: int) -> int:
@@ -531,14 +553,18 @@ STREAM_SIZES = {"extract": {"partitions": 3, **STREAM_EXTRACT},
 
 @pytest.mark.slow
 def test_streaming_with_drain_killed_mid_chain(scenario, stream_upstream):
-    """Streaming partitions behind the drain (one on disk at a time), the whole run SIGKILLed
-    while partition 1 trains: the watchdog restores; the rerun goes on without extracting
-    a consumed partition again."""
+    """Streaming partitions behind the drain, two on disk at a time, with
+    drain.kill_foreign_gpu_processes on: the extraction of the next link holds the GPUs
+    while training's drain runs. That job is the run's own: no drain kills a process of
+    the workflow, the bystander lives. The whole run is SIGKILLed while partition 1 trains:
+    the watchdog restores; the rerun goes on without extracting a consumed partition
+    again, and its drains kill nothing of it either."""
     sc = scenario(upstream=stream_upstream, **STREAM_UPSTREAM, train=STREAM_SIZES["train"], extract=STREAM_EXTRACT)
-    budget = budget_for(sc, in_flight=1)
-    sc = scenario(upstream=stream_upstream, **STREAM_UPSTREAM, **STREAM_SIZES,
-                  storage={"max_bytes": budget, "sample_interval_s": 0.2})
-    proc = sc.start(*TRAINED, EAGLE3FLOW_TEST_STEP_DELAY="1")
+    budget = budget_for(sc, in_flight=2, partitions=4)
+    sc = scenario(upstream=stream_upstream, **STREAM_UPSTREAM, train=STREAM_SIZES["train"],
+                  extract={**STREAM_EXTRACT, "partitions": 4}, storage={"max_bytes": budget, "sample_interval_s": 0.2},
+                  drain={"kill_foreign_gpu_processes": True})
+    proc = sc.start(*TRAINED, EAGLE3FLOW_TEST_STEP_DELAY="1", EAGLE3FLOW_TEST_SHARD_DELAY="0.5")
     consumed0 = sc.workdir / "results" / "streaming" / "consumed-0.json"
     sc.wait(lambda: consumed0.exists() and stage_pids(sc, "eagle3flow.train.trainer"), 400, "partition 1 training", proc)
     extract0 = sc.workdir / "logs" / "extract_partition_0_0.log"
@@ -547,42 +573,32 @@ def test_streaming_with_drain_killed_mid_chain(scenario, stream_upstream):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     sc.wait_restored("the watchdog's restore")
-    rerun = sc.run(*TRAINED)
+    killed_run = sc.logs[-1].read_text()
+    rerun = sc.run(*TRAINED, EAGLE3FLOW_TEST_SHARD_DELAY="0.5")
     jobs = plan_lib.parse_job_stats(rerun.stdout + rerun.stderr)
     ok, consistent = sc.consistent()
     again = int(extract0.stat().st_mtime_ns != stamp)
-    row = sc.record(scenario="streaming with drain, killed mid-chain", fault_at="train_partition 1 (partition 0 consumed)",
-                    recomputed=again + rewritten(checkpoints, sc.checkpoints()), consistent=consistent,
-                    notes=f"rerun rc={rerun.returncode}, jobs {jobs.get('extract_partition')} extraction(s), "
-                          f"{jobs.get('train_partition', 0) + jobs.get('train_partition_last', 0)} training link(s)")
-    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-5000:]
-    assert jobs.get("extract_partition") in (1, 2), jobs            # partitions 1 (if unfinished) and 2
-    assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and row["recomputed"] == 0 and ok, row
-
-
-@pytest.mark.slow
-def test_kill_foreign_gpu_processes_never_touches_the_workflows_own_jobs(scenario, stream_upstream):
-    """drain.kill_foreign_gpu_processes: true, streaming with two partitions in flight: the
-    extraction of the next link holds the GPUs while training's drain runs. It is the run's
-    own: nothing of the workflow is killed, every job succeeds, the bystander lives."""
-    sc = scenario(upstream=stream_upstream, **STREAM_UPSTREAM, train=STREAM_SIZES["train"], extract=STREAM_EXTRACT)
-    budget = budget_for(sc, in_flight=2, partitions=4)
-    sc = scenario(upstream=stream_upstream, **STREAM_UPSTREAM, train=STREAM_SIZES["train"],
-                  extract={**STREAM_EXTRACT, "partitions": 4}, storage={"max_bytes": budget},
-                  drain={"kill_foreign_gpu_processes": True})
-    result = sc.run(*TRAINED, EAGLE3FLOW_TEST_SHARD_DELAY="0.5")
     logs = {p.name: p.read_text() for p in (sc.workdir / "logs").glob("drain_service_*.log")}
     killed = [name for name, text in logs.items() if "killing foreign GPU process" in text]
     registered = [name for name, text in logs.items() if "registered" in text]
     overlapped = [name for name, text in logs.items() if "hold the GPUs now; not foreign" in text]
-    ok, consistent = sc.consistent()
-    row = sc.record(scenario="kill_foreign_gpu_processes: true, streaming with 2 partitions in flight",
-                    fault_at="drains while the run's own GPU jobs run",
-                    recomputed=0, consistent=consistent,
-                    notes=f"run rc={result.returncode}; workflow processes killed: {len(killed)}; {len(registered)} "
-                          f"drain(s) joined the run's drain, {len(overlapped)} while its own GPU job held the GPUs")
-    assert result.returncode == 0 and not killed, (result.stdout + result.stderr)[-5000:]
-    assert row["unit_healthy"] == "yes" and row["foreign_killed"] == 0 and ok, row
+    row = sc.record(scenario="streaming with drain, killed mid-chain", fault_at="train_partition 1 (partition 0 consumed)",
+                    recomputed=again + rewritten(checkpoints, sc.checkpoints()), consistent=consistent,
+                    notes=f"rerun rc={rerun.returncode}, jobs {jobs.get('extract_partition')} extraction(s), "
+                          f"{jobs.get('train_partition', 0) + jobs.get('train_partition_last', 0)} training link(s)")
+    row_kill = sc.record(scenario="kill_foreign_gpu_processes: true, streaming with 2 partitions in flight",
+                         fault_at="drains while the run's own GPU jobs run",
+                         recomputed=0, consistent=consistent,
+                         notes=f"run killed mid-chain and rerun (rc={rerun.returncode}); workflow processes killed: "
+                               f"{len(killed)}; {len(registered)} drain(s) joined the run's drain, "
+                               f"{len(overlapped)} while its own GPU job held the GPUs")
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-5000:]
+    assert "at most 2 on disk at a time" in killed_run, killed_run[-3000:]
+    # partition 1 (if its extraction was unfinished), 2 (if so) and 3: never the consumed 0
+    assert 1 <= jobs.get("extract_partition", 0) <= 3, jobs
+    assert not killed, (logs, (rerun.stdout + rerun.stderr)[-3000:])
+    for r in (row, row_kill):
+        assert r["unit_healthy"] == "yes" and r["foreign_killed"] == 0 and r["recomputed"] == 0 and ok, r
 
 
 # ----------------------------------------------------------------------------- dry runs
