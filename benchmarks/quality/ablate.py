@@ -207,10 +207,18 @@ def markdown(paths: list[Path]) -> str:
             out.append("| variant | AL@3 | AL@7 | settings over the trainer's defaults of the time |")
             out.append("| --- | --- | --- | --- |")
         for name, row in rows.items():
-            if walked:
+            if walked and row.get("method") == "dflash":
+                # one block size: the acceptance length at K = block size - 1, in the @7 columns
                 held, mt = row["decode"]["eval128"], row["decode"]["mt_bench128"]
-                out.append(f"| {name} | {held['3']:.3f} | {held['7']:.3f} | {mt['3']:.3f} | {mt['7']:.3f} | "
+                k = next(key for key in held if key != "per_position")
+                out.append(f"| {name} (DFlash, K={k}) | - | {held[k]:.3f} | - | {mt[k]:.3f} | "
                            f"`{json.dumps(row['overrides'])}` |")
+            elif walked:
+                held, mt = row["decode"]["eval128"], row["decode"]["mt_bench128"]
+                at_t = "".join(f" {split} @{k}: {v[k]:.3f};" for split, v in row.get("rejection", {}).items()
+                               for k in v)
+                out.append(f"| {name} | {held['3']:.3f} | {held['7']:.3f} | {mt['3']:.3f} | {mt['7']:.3f} | "
+                           f"`{json.dumps(row['overrides'])}`{at_t} |")
             else:
                 out.append(f"| {name} | {row['al3']:.3f} | {row['al7']:.3f} | `{json.dumps(row['overrides'])}` |")
         if base:
