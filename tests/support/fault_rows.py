@@ -42,7 +42,9 @@ def record(table: str = SCENARIOS, **row) -> dict:
     """One row of ``table``, written at once (a test failing after it still leaves it:
     the table shows what was observed, the test's asserts judge it)."""
     # The test that observed it (pytest names the running test in the environment).
-    row.setdefault("test", os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0].removeprefix("tests/"))
+    # (under --dist loadgroup xdist appends "@<group>" to the node id)
+    row.setdefault("test", os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0].split("@", 1)[0]
+                   .removeprefix("tests/"))
     key = "--".join(str(row[k]) for k in KEYS[table])
     name = re.sub(r"[^A-Za-z0-9]+", "-", key).strip("-")[:150]
     folder = rows_dir() / table
