@@ -52,7 +52,24 @@ def import_speculators():
             sys.modules[name] = module
     from speculators.models.eagle3.config import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
+    separate_autotune_configs()
     return Eagle3DraftModel, Eagle3SpeculatorConfig
+
+
+def separate_autotune_configs() -> None:
+    """speculators 0.9 builds one ``triton.autotune`` decorator for its fused loss's forward
+    and backward kernels, so both hold the same ``configs`` list; torch 2.11's dynamo refuses
+    to trace a second kernel whose list it already tracks ("ListVariable ... is already
+    tracked for mutation") when the compiled step reaches the loss's backward. Each kernel
+    gets its own copy of the same configs: the search space and the kernels are unchanged."""
+    try:
+        from speculators.losses import fused
+    except ImportError:       # no Triton (CPU): the eager loss runs
+        return
+    for name in ("loss_forward_kernel", "loss_backward_kernel"):
+        kernel = getattr(fused, name, None)
+        if kernel is not None and isinstance(getattr(kernel, "configs", None), list):
+            kernel.configs = list(kernel.configs)
 
 
 def build_speculators(target: dict, draft_vocab: int, device: torch.device, window: int = 2048):

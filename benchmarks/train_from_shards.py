@@ -7,14 +7,17 @@ decodes them (fp8 storage dequantizes), packs, pins and copies them: this runs t
 itself, its loader and all, over shards the extraction code's writer
 (``eagle3flow.extract.shards.write_shard``) put on ``--dir``, and reports per storage dtype:
 
-* ``tokens_per_s``: the trainer's own metric (eagle3flow/train/metrics.py), the mean over the
-  steps after the first ``--skip`` (compile and loader start-up);
+* ``tokens_per_s``: the trainer's own metric (eagle3flow/train/metrics.py) over its metrics
+  windows (``train.log_every`` steps each, the default 10: each line reads the GPU once),
+  leaving out the first ``--skip`` windows (compile and loader start-up): their tokens over
+  their time;
 * ``data_wait_ms_per_step``: how long the loop waited for a batch, the trainer's metric;
 * ``disk_read_gb_s``: bytes the device under ``--dir`` read during training (``/proc/diskstats``)
   / the training wall time; meaningful only when the page cache was dropped first
   (``--drop-caches``, root) or the shards are larger than the RAM (both are recorded);
 * ``ratio_to_compute``: ``tokens_per_s`` / the compute-only tokens/s of the same shape,
-  same run (train_throughput.run_case: the same step, batches already on the GPU).
+  same run (train_throughput.run_case: the same step with the same optimizer, ``--optimizer``,
+  default the trainer's Muon; batches already on the GPU): what the data path costs.
 
     PYTHONPATH=$PWD python3 benchmarks/train_from_shards.py --dir /local/nvme/bench \\
         --storage bf16,fp8 --drop-caches --out from_shards.json
@@ -26,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +43,7 @@ from train_throughput import SETTINGS, TINY, build, make_batch, run_case  # noqa
 from eagle3flow.atomic import write_json  # noqa: E402
 from eagle3flow.extract import shards  # noqa: E402
 from eagle3flow.model.config import DraftConfig  # noqa: E402
+from eagle3flow.ops.plan.read_rate import measure_read_rate  # noqa: E402
 from eagle3flow.target.config import text_config  # noqa: E402
 from eagle3flow.train.trainer import train  # noqa: E402
 
@@ -100,14 +103,28 @@ def write_shards(out: Path, cfg: DraftConfig, aux_ids: list[int], total_tokens: 
     return out / "manifest.json"
 
 
-def drop_page_cache() -> bool:
-    """Flush and drop the page cache (root only); False when this host refuses."""
+def drop_page_cache(folder: Path) -> str | None:
+    """Flush and drop the page cache: the whole cache where this host lets root do so, else
+    the pages of every file under ``folder`` (``posix_fadvise(DONTNEED)`` after an fsync, the
+    plan's probe's way, no root needed); how, or None where neither worked."""
     try:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
+        return "drop_caches"
     except (OSError, subprocess.CalledProcessError):
-        return False
+        pass
+    try:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+    except OSError:
+        return None
 
 
 def sectors_read(path: Path) -> int | None:
@@ -133,13 +150,16 @@ def main(argv=None) -> int:
     ap.add_argument("--setting", default="llama8b", choices=sorted(SETTINGS))
     ap.add_argument("--storage", default="bf16,fp8", help="comma list of: bf16, fp8")
     ap.add_argument("--dir", type=Path, required=True, help="a folder on the local disk to measure")
-    ap.add_argument("--tokens", type=int, default=8192 * 48, help="tokens in the shards (one epoch)")
+    ap.add_argument("--tokens", type=int, default=8192 * 64, help="tokens in the shards (one epoch)")
     ap.add_argument("--samples", type=int, default=4, help="samples per batch")
     ap.add_argument("--sample-tokens", type=int, default=2048)
     ap.add_argument("--shard-tokens", type=int, default=65536)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--workers", type=int, default=None, help="train.data_workers (default: the trainer's)")
-    ap.add_argument("--skip", type=int, default=3, help="steps left out of the mean (start-up)")
+    ap.add_argument("--skip", type=int, default=1, help="metrics windows left out (start-up)")
+    ap.add_argument("--log-every", type=int, default=10, help="train.log_every (the trainer's default)")
+    ap.add_argument("--optimizer", default="muon", choices=["muon", "adamw"],
+                    help="train.optimizer of both the trainer and the compute-only step (default: the trainer's)")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each run (root)")
     ap.add_argument("--keep", action="store_true", help="keep the shards (default: removed at the end)")
     ap.add_argument("--quick", action="store_true", help="a tiny shape on the CPU (smoke run)")
@@ -157,14 +177,14 @@ def main(argv=None) -> int:
     report = {"setting": "tiny" if args.quick else args.setting, "device": str(device),
               "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
               "torch": torch.__version__, "batch_tokens": batch_tokens, "ttt_steps": 7,
-              "tokens": args.tokens, "ram_bytes": ram_bytes()}
+              "tokens": args.tokens, "ram_bytes": ram_bytes(), "optimizer": args.optimizer}
 
     # The compute-only figure of the same step and shape, this run.
     model, teacher_head = build(args.setting, args.draft_vocab, device, args.quick)
     batch = make_batch(model.config, args.samples, args.sample_tokens, "ones", device, 7)
     warm = make_batch(model.config, args.samples, args.sample_tokens, "ones", device, 7, trim=args.sample_tokens // 4)
     compute = run_case(model, teacher_head, batch, 7, warmup=2, iters=5 if args.quick else 10, device=device,
-                       warm_batch=warm)
+                       warm_batch=warm, optimizer=args.optimizer)
     compute["tokens_per_s"] = batch_tokens / compute["step_s_mean"]
     report["compute_only"] = compute
     print(f"from_shards: compute only {compute['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
@@ -174,6 +194,10 @@ def main(argv=None) -> int:
 
     target = write_target(work / "target", target_cfg)
     vocab = write_vocab_map(work / "vocab_map.safetensors", cfg.vocab_size, args.draft_vocab)
+    # What the plan would measure of this disk before a run (its probe), to set beside the
+    # rate training reached: where the disk is the limit, the plan must predict it.
+    probe = measure_read_rate(work)
+    report["plan_probe_read_gb_s"] = probe / 1e9 if probe else None
     report["from_shards"] = {}
     for storage in args.storage.split(","):
         hs = work / f"hs-{storage}"
@@ -181,12 +205,13 @@ def main(argv=None) -> int:
         if not manifest.is_file():
             write_shards(hs, cfg, aux_ids, args.tokens, args.sample_tokens, args.shard_tokens, storage, device)
         on_disk = sum(p.stat().st_size for p in (hs / "shards").iterdir())
-        dropped = drop_page_cache() if args.drop_caches else False
+        dropped = drop_page_cache(hs) if args.drop_caches else None
         before = sectors_read(hs)
         out_dir = work / f"train-{storage}"
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(work / "cache", ignore_errors=True)
-        config = {"epochs": 1, "batch_tokens": batch_tokens, "ttt_steps": 7, "log_every": 1,
+        config = {"epochs": 1, "batch_tokens": batch_tokens, "ttt_steps": 7, "log_every": args.log_every,
+                  "optimizer": args.optimizer,
                   "checkpoint_every": 10**9, "device": device.type}
         if args.workers is not None:
             config["data_workers"] = args.workers
@@ -195,18 +220,26 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         after = sectors_read(hs)
         rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in rows if "tokens_per_s" in r and "data_wait_s" in r][args.skip:]
-        if not steps:
-            raise SystemExit(f"{out_dir}/metrics.jsonl: no step rows past the first {args.skip}: more --tokens")
-        tokens_per_s = statistics.mean(r["tokens_per_s"] for r in steps)
+        lines = [r for r in rows if "tokens_per_s" in r and "data_wait_s" in r]
+        windows = [(r, r["step"] - (prev["step"] if prev else 0))
+                   for prev, r in zip([None] + lines, lines)][args.skip:]
+        if not windows:
+            raise SystemExit(f"{out_dir}/metrics.jsonl: no metrics window past the first {args.skip}: more --tokens")
+        # tokens over time across the windows (each window's tokens / its rate is its time)
+        window_tokens = [n * batch_tokens for _, n in windows]
+        tokens_per_s = sum(window_tokens) / sum(t / r["tokens_per_s"] for t, (r, _) in zip(window_tokens, windows))
+        steps_measured = sum(n for _, n in windows)
         result = {"tokens_per_s": tokens_per_s,
-                  "data_wait_ms_per_step": 1e3 * statistics.mean(r["data_wait_s"] for r in steps),
-                  "steps_measured": len(steps), "train_wall_s": wall, "bytes_on_disk": on_disk,
+                  "data_wait_ms_per_step": 1e3 * sum(r["data_wait_s"] * n for r, n in windows) / steps_measured,
+                  "steps_measured": steps_measured, "log_every": args.log_every,
+                  "train_wall_s": wall, "bytes_on_disk": on_disk,
                   "bytes_per_token": on_disk / args.tokens, "page_cache_dropped": dropped,
                   "larger_than_ram": on_disk > report["ram_bytes"],
                   "disk_read_gb_s": (after - before) * 512 / wall / 1e9
                   if before is not None and after is not None else None,
-                  "ratio_to_compute": tokens_per_s / compute["tokens_per_s"]}
+                  "ratio_to_compute": tokens_per_s / compute["tokens_per_s"],
+                  # the tokens/s the plan's probe says this disk can feed at these bytes per token
+                  "plan_disk_tokens_per_s": probe * args.tokens / on_disk if probe else None}
         report["from_shards"][storage] = result
         print(f"from_shards: {storage}: {tokens_per_s:,.0f} tokens/s ({result['ratio_to_compute']:.3f}x compute "
               f"only), data wait {result['data_wait_ms_per_step']:.1f} ms/step, read "

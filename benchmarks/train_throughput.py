@@ -76,7 +76,11 @@ KIMI_K25 = {"model_type": "kimi_k25", "text_config": {
     "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}}
 # vLLM's default EAGLE-3 aux layers for L layers: (2, L // 2, L - 3)
-SETTINGS = {"llama8b": (LLAMA_8B, [2, 16, 29]), "kimi": (KIMI_K25, [2, 30, 58])}
+SETTINGS = {"llama8b": (LLAMA_8B, [2, 16, 29]), "kimi": (KIMI_K25, [2, 30, 58]),
+            "kimi_llama": (KIMI_K25, [2, 30, 58])}
+# kimi: the draft train.draft.architecture auto derives (MLA, as the target); kimi_llama: the
+# Llama-layer draft of the same width beside it (architecture: llama).
+DRAFT_OVERRIDES = {"kimi_llama": {"architecture": "llama"}}
 TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 1024,
         "rope_theta": 10000.0}
@@ -99,7 +103,7 @@ def build(setting: str, draft_vocab: int, device: torch.device, quick: bool):
     """Model (fp32 master weights, frozen random embeddings, random vocab map) and the
     teacher head ``[Vd, H]`` bf16, as eagle3flow/train/trainer.py builds them."""
     target, aux_ids = (TINY, [1, 2, 3]) if quick else SETTINGS[setting]
-    cfg = DraftConfig.from_target_config(target, aux_ids, draft_vocab)
+    cfg = DraftConfig.from_target_config(target, aux_ids, draft_vocab, DRAFT_OVERRIDES.get(setting))
     torch.manual_seed(0)
     with torch.device(device):
         model = Eagle3Draft(cfg).to(device)       # rope buffers may be built on the CPU
@@ -174,13 +178,22 @@ def time_steps(step, warmup: int, iters: int, device: torch.device) -> tuple[dic
 
 
 def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int, device,
-             profile: bool = False, ctx: DistContext | None = None, warm_batch: dict | None = None) -> dict:
+             profile: bool = False, ctx: DistContext | None = None, warm_batch: dict | None = None,
+             optimizer: str = "adamw") -> dict:
     """Time ``iters`` steps run back to back as the trainer runs them (no host sync between
     steps); per-step times from CUDA events on the GPU's timeline. ``warm_batch`` (another
     row count) runs first, so torch.compile's graphs are the dynamic-shape ones a run over
-    batches of varying size settles on."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    batches of varying size settles on. ``optimizer``: fused AdamW (the established
+    trainer's comparison), or ``muon`` as the trainer builds it (train.optimizer's default:
+    Muon's Newton-Schulz products on the hidden matrices, AdamW on the rest)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    if optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    else:
+        from eagle3flow.config import section_settings
+        from eagle3flow.train.optim import build_optimizers
+        optimizer = build_optimizers(named, section_settings("train", {"optimizer": optimizer, "lr": 1e-5}), device)
     autocast = device.type == "cuda"
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -211,7 +224,7 @@ def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default="llama8b", help="comma list of: llama8b, kimi")
+    ap.add_argument("--settings", default="llama8b", help="comma list of: llama8b, kimi (MLA draft), kimi_llama")
     ap.add_argument("--masks", default="ones,chat", help="comma list of: ones, chat")
     ap.add_argument("--compile", default="off", help="comma list of: off, on (torch.compile of the step pieces)")
     ap.add_argument("--shapes", default="varying",
@@ -230,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--against", default="", choices=["", "speculators"],
                     help="also time the established trainer's step on the same shape (benchmarks/"
                          "established_trainer.py) and print the project's tokens/s over it")
+    ap.add_argument("--optimizer", default="adamw",
+                    help="comma list of: adamw (fused; as the established trainer is timed), muon (the "
+                         "trainer's default train.optimizer: Newton-Schulz on the hidden matrices)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", type=Path, help="write all results as JSON here")
     args = ap.parse_args(argv)
@@ -253,10 +269,10 @@ def main(argv=None) -> int:
     for setting in args.settings.split(","):
         model, teacher_head = build(setting, args.draft_vocab, device, args.quick)
         cfg = model.config
-        samples, tokens = (args.kimi_samples, args.kimi_sample_tokens) if setting == "kimi" \
+        samples, tokens = (args.kimi_samples, args.kimi_sample_tokens) if setting.startswith("kimi") \
             else (args.samples, args.sample_tokens)
         context = mean_causal_context([tokens] * samples)
-        for compiled in args.compile.split(","):
+        for compiled, optimizer in [(c, o) for c in args.compile.split(",") for o in args.optimizer.split(",")]:
             model.compile_steps = compiled == "on"
             for mask, shapes in [(m, sh) for sh in args.shapes.split(",") for m in args.masks.split(",")]:
                 if compiled == "on":
@@ -268,13 +284,14 @@ def main(argv=None) -> int:
                 scored_share = float(batch["step_rows"].sum()) / (n * args.ttt_steps)
                 flops = train_flops_per_token(cfg, args.ttt_steps, context, scored_share=scored_share)
                 case = {"setting": setting, "mask": mask, "compile": compiled, "shapes": shapes, "tokens": n,
+                        "optimizer": optimizer,
                         "samples": samples, "sample_tokens": tokens,
                         "scored_fraction": float(batch["loss_mask"].float().mean()),
                         "draft_config": cfg.to_dict(), "flops_per_token": flops}
                 try:
                     case.update(run_case(model, teacher_head, batch, args.ttt_steps, args.warmup,
                                          args.iters, device, profile=args.profile and first, ctx=ctx,
-                                         warm_batch=warm))
+                                         warm_batch=warm, optimizer=optimizer))
                     case["tokens_per_s"] = ctx.world_size * n / case["step_s_mean"]
                     case.update(peak.mfu(n * flops["total"] / case["step_s_mean"]))
                     case["mfu_text"] = peak.describe(case)
@@ -341,19 +358,21 @@ def markdown_table(report: dict) -> str:
              + (f" (datasheet dense bf16 peak {datasheet:.0f} TFLOP/s)" if datasheet else "")
              + f", {report['ttt_steps']} TTT steps, "
              f"{report.get('world_size', 1)} GPU(s) data parallel (tokens/s is their total, MFU per GPU)", "",
-             "| setting | loss mask (scored) | compile | shapes | tokens/step | GFLOP/token | step (ms) | tokens/s "
+             "| setting | loss mask (scored) | compile | shapes | optimizer | tokens/step | GFLOP/token | step (ms) | tokens/s "
              f"| MFU of the measured matmul ({report['matmul_tflops']:.4g} TFLOP/s) "
              + (f"| MFU of the datasheet peak ({datasheet:.0f} TFLOP/s) " if datasheet else "")
              + "| peak GPU memory (GiB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | " + ("--- | " if datasheet else "") + "--- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | " + ("--- | " if datasheet else "") + "--- |"]
     for c in report["cases"]:
         shape = f"{c['setting']} ({c['samples']} x {c['sample_tokens']})"
         if "error" in c:
             empty = "| " * (5 if datasheet else 4)
-            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | {c['tokens']} "
+            lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | "
+                         f"{c.get('optimizer', 'adamw')} | {c['tokens']} "
                          f"{empty}| {c['error'][:80]} |")
             continue
         lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c.get('shapes', '')} | "
+                     f"{c.get('optimizer', 'adamw')} | "
                      f"{c['tokens']} | {c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_mean'] * 1e3:.1f} | "
                      f"{c['tokens_per_s']:,.0f} | {percent(c['mfu'])} | "
                      + (f"{percent(c['mfu_datasheet'])} | " if datasheet else "")
@@ -362,7 +381,8 @@ def markdown_table(report: dict) -> str:
         if "error" in e:
             lines.append(f"\n{e['trainer']} on {e['setting']}: {e['error'][:200]}")
             continue
-        ratios = ", ".join(f"{c['mask']}/{c['compile']}/{c.get('shapes', '')} {c['ratio_to_established']:.3f}x"
+        ratios = ", ".join(f"{c['mask']}/{c['compile']}/{c.get('shapes', '')}/{c.get('optimizer', 'adamw')} "
+                           f"{c['ratio_to_established']:.3f}x"
                            for c in report["cases"] if "ratio_to_established" in c)
         lines.append(f"\n{e['trainer']} (same run, {e['setting']} {e['samples']} x {e['sample_tokens']}, every "
                      f"token scored): {e['tokens_per_s']:,.0f} tokens/s, step {e['step_s_mean'] * 1e3:.1f} ms, peak "

@@ -269,3 +269,25 @@ def test_ttt_loss_bf16_acceptance_mix_tracks_fp32():
     assert set(grads16) == set(grads32)
     for name in grads32:
         assert _rel(grads16[name], grads32[name]) < 5e-2, name
+
+
+def test_batch_loader_copies_ahead_and_dequantizes_fp8_on_the_gpu(tmp_path):
+    # The CUDA loader's batches (copied on their own stream, fp8 dequantized on the GPU) are
+    # bitwise the host path's, in order, each complete when the training stream reads it.
+    from eagle3flow.extract import shards
+    from eagle3flow.train.data import BatchLoader, ShardData, collate
+    from support.builders import make_random_shards
+
+    data = ShardData(shards.load_manifest(make_random_shards(tmp_path, [300, 17, 256, 90, 400, 33], hidden=64)))
+    plan = [[(0, 0), (0, 1)], [(1, 1)], [(0, 3), (0, 2), (1, 0)]]
+    for workers in (0, 2):
+        loader = BatchLoader(data, plan, 3, torch.device("cuda"), workers, 2)
+        for share in plan:
+            got = loader.next()
+            torch.cuda._sleep(10**6)            # the training stream busy while the next copy runs
+            want = collate(data, share, num_steps=3)
+            assert set(got) == set(want)
+            for key, value in want.items():
+                assert torch.equal(got[key].cpu(), value), (workers, key)
+            assert got["aux"].is_cuda and got["aux"].dtype == data.hidden_dtype
+            assert not got["cu_seqlens"].is_cuda        # host keys stay on the host

@@ -447,3 +447,22 @@ def test_backend_auto_resolves_to_hf_without_several_gpus():
     assert extract_cli.resolve_backend("cpu") == "hf"
     if torch.cuda.device_count() < 2:
         assert extract_cli.resolve_backend("auto") == "hf"
+
+
+def test_fp8_batches_dequantized_after_collation_equal_the_host_path(tmp_path):
+    # The GPU loader collates fp8 as stored and dequantizes after the copy; the bits must be
+    # those of the host path (per-sample dequantization, then concatenation).
+    from eagle3flow.train.data import ShardData, collate, dequantize_batch
+    from support.builders import make_random_shards
+
+    data = ShardData(shards.load_manifest(make_random_shards(tmp_path, [7, 12, 5, 9, 3], hidden=16)))
+    assert data.hidden_dtype == torch.float32           # the dtype the extraction computed in
+    batch = [(1, 0), (0, 2), (0, 0)]                    # across shards, out of order
+    host = collate(data, batch, num_steps=3)
+    stored = collate(data, batch, num_steps=3, dequantize=False)
+    assert stored["aux"].dtype == shards.FP8 and stored["aux_scale"].shape == (stored["aux"].shape[0], 3)
+    late = dequantize_batch(stored, data.hidden_dtype)
+    assert set(late) == set(host) and "aux_scale" not in late
+    for key in host:
+        assert torch.equal(late[key], host[key]), key
+    assert host["aux"].dtype == torch.float32 and host["aux"].abs().max() > 0

@@ -106,10 +106,12 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    chunk_rows: int = 8192) -> torch.Tensor:
-    """``q [T, G*H]`` fp8, ``scale [T, G]`` -> ``[T, G*H]`` in ``dtype``, chunked (no [T, G*H] fp32 temp)."""
+    """``q [T, G*H]`` fp8, ``scale [T, G]`` -> ``[T, G*H]`` in ``dtype`` on ``q``'s device,
+    chunked (no [T, G*H] fp32 temp). The same arithmetic on the host and on a GPU (an fp32
+    product rounded once to ``dtype``), so both give the same bits."""
     rows, width = q.shape
     groups = scale.shape[-1]
-    out = torch.empty(rows, width, dtype=dtype)
+    out = torch.empty(rows, width, dtype=dtype, device=q.device)
     for a in range(0, rows, chunk_rows):
         b = min(rows, a + chunk_rows)
         block = q[a:b].reshape(b - a, groups, width // groups).float() * scale[a:b, :, None]

@@ -166,3 +166,25 @@ def export_untrained_draft(target: Path, tmp_path: Path, ids=(2, 4, 5), override
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     return config, names
+
+
+def make_random_shards(out: Path, lengths: list[int], hidden: int, num_aux: int = 3,
+                       storage_dtype: str | None = "fp8", samples_per_shard: int = 4, seed: int = 0) -> Path:
+    """Random hidden states of samples of ``lengths`` (every token scored after the first
+    two), written by the extraction's writer in ``storage_dtype``, and their manifest."""
+    g = torch.Generator().manual_seed(seed)
+    entries = []
+    for first in range(0, len(lengths), samples_per_shard):
+        part = lengths[first:first + samples_per_shard]
+        entries.append(shards.write_shard(
+            out / "shards" / shards.shard_name(len(entries)), [f"s{first + i}" for i in range(len(part))],
+            [torch.randint(0, 100, (n,), generator=g, dtype=torch.int32) for n in part],
+            [(torch.arange(n) >= 2).to(torch.uint8) for n in part],
+            [torch.randn(n, num_aux * hidden, generator=g) * 3 for n in part],
+            [torch.randn(n, hidden, generator=g) for n in part], storage_dtype=storage_dtype))
+    manifest = {"format": shards.FORMAT, "shards": entries, "shard_dir": str(out / "shards"),
+                "aux_layer_ids": list(range(1, num_aux + 1)), "hidden_size": hidden, "dtype": "float32",
+                "num_layers": None, "target_path": None, "num_samples": len(lengths),
+                "num_tokens": sum(lengths)}
+    write_json(out / "manifest.json", manifest)
+    return out / "manifest.json"
