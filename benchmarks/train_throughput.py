@@ -56,6 +56,7 @@ from eagle3flow.train.distributed import DistContext, init_distributed, sum_grad
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.model.draft import Eagle3Draft
 from eagle3flow.model.flops import OVER_PEAK, PeakFlops, mean_causal_context, train_flops_per_token
+from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.train.loss import scored_rows, ttt_loss
 from eagle3flow.train.data import to_device
 
@@ -293,7 +294,10 @@ def main(argv=None) -> int:
                                          args.iters, device, profile=args.profile and first, ctx=ctx,
                                          warm_batch=warm, optimizer=optimizer))
                     case["tokens_per_s"] = ctx.world_size * n / case["step_s_mean"]
-                    case.update(peak.mfu(n * flops["total"] / case["step_s_mean"]))
+                    # Muon's Newton-Schulz products count once per step (model/optimizer_flops.py)
+                    case["optimizer_flops_per_step"] = optimizer_flops_per_step(cfg, optimizer)
+                    case.update(peak.mfu((n * flops["total"] + case["optimizer_flops_per_step"])
+                                         / case["step_s_mean"]))
                     case["mfu_text"] = peak.describe(case)
                 except Exception as exc:     # keep the other cases' numbers
                     case["error"] = f"{type(exc).__name__}: {exc}"

@@ -103,3 +103,29 @@ def test_an_h200_reports_its_datasheet_peak_beside_the_measured_rate(monkeypatch
     assert row["mfu"] == pytest.approx(0.5) and row["mfu_datasheet"] == pytest.approx(400 / 989)
     assert peak.describe(row) == "50.0% of 800 TFLOP/s measured matmul, 40.4% of the H200's dense bf16 989 TFLOP/s"
     assert "H200 datasheet dense bf16 989 TFLOP/s" in peak.rate_text()
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_muon_flops_match_torch_counting_a_real_muon_step(draft):
+    """The plan's and the MFU's count of Muon's Newton-Schulz products, from the config's
+    shapes alone, against the optimizer the trainer builds, stepped under FlopCounterMode."""
+    from eagle3flow.config import section_settings
+    from eagle3flow.model.optimizer_flops import NEWTON_SCHULZ_STEPS, optimizer_flops_per_step
+    from eagle3flow.train.optim import build_optimizers
+
+    cfg = tiny_config(**DRAFTS[draft])
+    model = Eagle3Draft(cfg).train()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizers = build_optimizers(named, section_settings("train", {"optimizer": "muon"}), torch.device("cpu"))
+    muon = optimizers.optimizers["muon"]
+    stepped = [tuple(p.shape) for group in muon.param_groups for p in group["params"]]
+    assert sorted(stepped) == sorted(cfg.hidden_matrix_shapes())
+    assert sum(r * c for r, c in stepped) == cfg.trainable_param_counts()["matrices"]
+    assert all(group["ns_steps"] == NEWTON_SCHULZ_STEPS for group in muon.param_groups)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        muon.step()
+    assert optimizer_flops_per_step(cfg, "muon") == counter.get_total_flops()
+    assert optimizer_flops_per_step(cfg, "adamw") == 0

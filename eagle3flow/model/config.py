@@ -152,6 +152,25 @@ class DraftConfig:
         mlp = 3 * h * self.intermediate_size
         return {"matrices": aux_width * h + attention + mlp, "rest": norms + h * self.draft_vocab_size}
 
+    def hidden_matrix_shapes(self) -> list[tuple[int, int]]:
+        """``(out, in)`` of every 2-D trainable weight but lm_head, the draft's parameters
+        (eagle3flow/model/draft.py) that train/optim.py's Muon steps; their sizes sum to
+        :meth:`trainable_param_counts`'s ``matrices``. Torch-free: the plan counts Muon's
+        Newton-Schulz products with it (eagle3flow/model/flops.py)."""
+        h, two_h, heads = self.hidden_size, 2 * self.hidden_size, self.num_attention_heads
+        shapes = [(h, self.num_aux * self.target_hidden_size)]
+        if self.architecture == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            shapes += ([(self.q_lora_rank, two_h), (heads * qk, self.q_lora_rank)] if self.q_lora_rank
+                       else [(heads * qk, two_h)])
+            shapes += [(self.kv_lora_rank + self.qk_rope_head_dim, two_h),
+                       (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                       (h, heads * self.v_head_dim)]
+        else:
+            q, kv = heads * self.head_dim, self.num_key_value_heads * self.head_dim
+            shapes += [(q, two_h), (kv, two_h), (kv, two_h), (h, q)]
+        return shapes + [(self.intermediate_size, h), (self.intermediate_size, h), (h, self.intermediate_size)]
+
     @classmethod
     def from_target_config(cls, target_config: dict, aux_layer_ids: list[int],
                            draft_vocab_size: int, overrides: dict | None = None) -> "DraftConfig":

@@ -22,7 +22,9 @@ The draft's lm_head runs only on the rows a step scores (loss.py), and the teach
 Attention counts ``QK^T`` and ``PV`` over the keys a row attends (its causal prefix,
 ``mean_context`` on average, plus ``j`` chain entries at step ``j``), the useful work: the
 flash kernel's skipped blocks and MLA's values padded to the query width on CUDA are not.
-Muon's Newton-Schulz products are the optimizer's, once per step: not the model's FLOPs.
+Muon's Newton-Schulz products are the optimizer's, once per optimizer step whatever the
+batch: eagle3flow/model/optimizer_flops.py counts them apart (the MFU the trainer prints adds
+them).
 """
 from __future__ import annotations
 

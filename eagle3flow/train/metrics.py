@@ -51,7 +51,8 @@ class TrainMetrics:
     and :meth:`line` at the same steps (it sums over ranks); only the main rank writes.
     ``text`` is the last line in short, for the progress line. ``flops``: the run's
     :func:`eagle3flow.model.flops.train_flops_per_token` (its ``per_row`` and ``per_scored``:
-    a step's FLOPs follow the rows its loss scores)."""
+    a step's FLOPs follow the rows its loss scores) and ``optimizer_per_step``, the
+    optimizer's products per step and process (:func:`eagle3flow.model.flops.optimizer_flops_per_step`)."""
 
     def __init__(self, ctx: DistContext, paths: tuple[Path, ...], trackers: Trackers, peak: PeakFlops,
                  flops: dict, num_steps: int):
@@ -88,7 +89,9 @@ class TrainMetrics:
         now = time.perf_counter()
         seconds = max(now - self.window_t0, 1e-9)
         tokens_per_s = self.window_tokens / seconds
-        flops = self.window_tokens * self.flops["per_row"] + self.window_scored * self.flops["per_scored"]
+        # Muon's Newton-Schulz runs once per step on every process, whatever the batch.
+        flops = (self.window_tokens * self.flops["per_row"] + self.window_scored * self.flops["per_scored"]
+                 + self.window_steps * ctx.world_size * self.flops.get("optimizer_per_step", 0.0))
         row = {"step": step, "epoch": epoch, "loss": summed[0],
                "step_loss": summed[2:2 + num_steps],
                "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],

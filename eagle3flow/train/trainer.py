@@ -57,6 +57,7 @@ from eagle3flow.config import cli_settings, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_per_token
+from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.progress import Progress
 from eagle3flow.train.build import build_draft, load_unreachable_head, load_vocab_map
 from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
@@ -298,10 +299,13 @@ def train_rank(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab
     all_lengths = [n for shard in data.lengths for n in shard]
     flops = train_flops_per_token(trainer.model.config, num_steps, mean_causal_context(all_lengths))
     flops_per_token = flops["total"]
+    flops["optimizer_per_step"] = optimizer_flops_per_step(trainer.model.config, cfg["optimizer"])
+    muon = (f" + {flops['optimizer_per_step'] / 1e12:.3g} TFLOP per optimizer step and process (Muon's "
+            f"Newton-Schulz)" if flops["optimizer_per_step"] else "")
     peak = PeakFlops(device, cfg["peak_flops"])
     log(f"train: {ctx.world_size} process(es) on {device.type}, {total_steps} steps of <= "
         f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token with every row scored "
-        f"({trainer.model.config.architecture} draft), MFU against {peak.rate_text()} per device")
+        f"({trainer.model.config.architecture} draft){muon}, MFU against {peak.rate_text()} per device")
 
     trackers = Trackers(cfg["report_to"] if ctx.is_main else [], out_dir, fp, cfg)
     metrics = TrainMetrics(ctx, metrics_paths, trackers, peak, flops, num_steps)
