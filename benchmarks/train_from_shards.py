@@ -43,7 +43,7 @@ from train_throughput import SETTINGS, TINY, build, make_batch, run_case  # noqa
 from eagle3flow.atomic import write_json  # noqa: E402
 from eagle3flow.extract import shards  # noqa: E402
 from eagle3flow.model.config import DraftConfig  # noqa: E402
-from eagle3flow.ops.plan.read_rate import measure_read_rate  # noqa: E402
+from eagle3flow.ops.plan.read_rate import evict_from_page_cache, measure_read_rate  # noqa: E402
 from eagle3flow.target.config import text_config  # noqa: E402
 from eagle3flow.train.trainer import train  # noqa: E402
 
@@ -118,8 +118,7 @@ def drop_page_cache(folder: Path) -> str | None:
             if path.is_file():
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    evict_from_page_cache(fd)
                 finally:
                     os.close(fd)
         return "fadvise"

@@ -238,6 +238,11 @@ def shard_entry(path: str | os.PathLike) -> dict:
 
 # ----------------------------------------------------------------------------- reading
 
+def compute_dtype(meta: dict) -> torch.dtype:
+    """The dtype a shard's fp8 hidden states dequantize to (its metadata's ``dtype``)."""
+    return TORCH_DTYPES[meta.get("dtype", "bfloat16")]
+
+
 def read_shard(path: str | os.PathLike, dequantize: bool = True
                ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """All tensors of a shard and its sample ids; fp8 hidden states come back in the
@@ -250,7 +255,7 @@ def read_shard(path: str | os.PathLike, dequantize: bool = True
         names = TENSOR_NAMES + tuple(n for n in SCALE_NAMES if n in f.keys())
         tensors = {name: f.get_tensor(name) for name in names}
     if dequantize and tensors["aux_hidden_states"].dtype == FP8:
-        dtype = TORCH_DTYPES[meta.get("dtype", "bfloat16")]
+        dtype = compute_dtype(meta)
         for name in ("aux_hidden_states", "last_hidden_state"):
             tensors[name] = dequantize_fp8(tensors[name], tensors.pop(f"{name}_scale"), dtype)
     return tensors, json.loads(meta["sample_ids"])

@@ -132,31 +132,18 @@ class DraftConfig:
         ``matrices``, the 2-D weights but lm_head (fc and the decoder layer's projections, its
         attention reading ``2H``), and ``rest``, lm_head and every RMSNorm. Torch-free: the
         plan sizes checkpoints with it."""
-        h, two_h, heads = self.hidden_size, 2 * self.hidden_size, self.num_attention_heads
-        aux_width = self.num_aux * self.target_hidden_size
-        norms = 4 * h + aux_width * (int(self.norm_before_fc) + int(self.fc_norm))
+        h = self.hidden_size
+        norms = 4 * h + self.num_aux * self.target_hidden_size * (int(self.norm_before_fc) + int(self.fc_norm))
         if self.architecture == "mla":
-            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            if self.q_lora_rank:
-                query = two_h * self.q_lora_rank + self.q_lora_rank * heads * qk
-                norms += self.q_lora_rank
-            else:
-                query = two_h * heads * qk
-            attention = (query + two_h * (self.kv_lora_rank + self.qk_rope_head_dim)
-                         + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
-                         + heads * self.v_head_dim * h)
-            norms += self.kv_lora_rank
-        else:
-            q, kv = heads * self.head_dim, self.num_key_value_heads * self.head_dim
-            attention = two_h * q + 2 * two_h * kv + q * h
-        mlp = 3 * h * self.intermediate_size
-        return {"matrices": aux_width * h + attention + mlp, "rest": norms + h * self.draft_vocab_size}
+            norms += (self.q_lora_rank or 0) + self.kv_lora_rank
+        return {"matrices": sum(rows * cols for rows, cols in self.hidden_matrix_shapes()),
+                "rest": norms + h * self.draft_vocab_size}
 
     def hidden_matrix_shapes(self) -> list[tuple[int, int]]:
         """``(out, in)`` of every 2-D trainable weight but lm_head, the draft's parameters
         (eagle3flow/model/draft.py) that train/optim.py's Muon steps; their sizes sum to
         :meth:`trainable_param_counts`'s ``matrices``. Torch-free: the plan counts Muon's
-        Newton-Schulz products with it (eagle3flow/model/flops.py)."""
+        Newton-Schulz products with it (eagle3flow/model/optimizer_flops.py)."""
         h, two_h, heads = self.hidden_size, 2 * self.hidden_size, self.num_attention_heads
         shapes = [(h, self.num_aux * self.target_hidden_size)]
         if self.architecture == "mla":

@@ -31,14 +31,8 @@ from eagle3flow.train.loss import scored_rows
 from eagle3flow.extract.shards import Manifest
 
 SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-HIDDEN_TENSORS = ("aux_hidden_states", "last_hidden_state")
 # a batch's key for each hidden-state tensor of a sample
 BATCH_KEYS = {"aux_hidden_states": "aux", "last_hidden_state": "last"}
-
-
-def compute_dtype(meta: dict) -> torch.dtype:
-    """The dtype a shard's fp8 hidden states dequantize to (its metadata's ``dtype``)."""
-    return getattr(torch, meta.get("dtype", "bfloat16"))
 
 
 class ShardData:
@@ -89,11 +83,11 @@ class ShardData:
         handle, names, meta = self._file(shard)
         a, b = self.offsets[shard][index], self.offsets[shard][index + 1]
         out = {name: handle.get_slice(name)[a:b] for name in SAMPLE_TENSORS}
-        for name in HIDDEN_TENSORS:
+        for name in BATCH_KEYS:
             if f"{name}_scale" in names:
                 scale = handle.get_slice(f"{name}_scale")[a:b]
                 if dequantize:
-                    out[name] = shards.dequantize_fp8(out[name], scale, compute_dtype(meta))
+                    out[name] = shards.dequantize_fp8(out[name], scale, shards.compute_dtype(meta))
                 else:
                     out[f"{name}_scale"] = scale
         return out
@@ -101,7 +95,7 @@ class ShardData:
     @property
     def hidden_dtype(self) -> torch.dtype:
         """What fp8 hidden states dequantize to (the shards' compute dtype)."""
-        return compute_dtype(self._file(0)[2]) if self.lengths else torch.bfloat16
+        return shards.compute_dtype(self._file(0)[2]) if self.lengths else torch.bfloat16
 
     def sample_ids(self, shard: int) -> list[str]:
         return json.loads(self._file(shard)[2]["sample_ids"])

@@ -52,7 +52,8 @@ class TrainMetrics:
     ``text`` is the last line in short, for the progress line. ``flops``: the run's
     :func:`eagle3flow.model.flops.train_flops_per_token` (its ``per_row`` and ``per_scored``:
     a step's FLOPs follow the rows its loss scores) and ``optimizer_per_step``, the
-    optimizer's products per step and process (:func:`eagle3flow.model.flops.optimizer_flops_per_step`)."""
+    optimizer's products per step and process
+    (:func:`eagle3flow.model.optimizer_flops.optimizer_flops_per_step`)."""
 
     def __init__(self, ctx: DistContext, paths: tuple[Path, ...], trackers: Trackers, peak: PeakFlops,
                  flops: dict, num_steps: int):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from eagle3flow.layers import default_layer_ids
 from eagle3flow.model.config import DraftConfig
-from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "float8_e4m3fn": 1, "fp8": 1}
@@ -53,19 +52,14 @@ def hidden_state_bytes_per_token(aux: int, hidden: int, dtype: str) -> int:
     return (aux + 1) * (hidden * DTYPE_BYTES[dtype] + scales) + TOKEN_OVERHEAD_BYTES
 
 
+def draft_config(target: dict, aux_layer_ids: list[int], draft_vocab: int, overrides: dict) -> DraftConfig:
+    """The DraftConfig training builds for this target (eagle3flow/model/config.py)."""
+    return DraftConfig.from_target_config(target, aux_layer_ids, draft_vocab, overrides or {})
+
+
 def draft_param_counts(target: dict, aux_layer_ids: list[int], draft_vocab: int, overrides: dict) -> dict:
-    """The draft's trainable parameters, ``matrices`` and ``rest``, from the DraftConfig
-    training builds for this target (eagle3flow/model/config.py)."""
-    cfg = DraftConfig.from_target_config(target, aux_layer_ids, draft_vocab, overrides or {})
-    return cfg.trainable_param_counts()
-
-
-def draft_optimizer_flops(target: dict, aux_layer_ids: list[int], draft_vocab: int, overrides: dict,
-                          optimizer: str) -> float:
-    """The optimizer's matrix products per step and process for this target's draft (Muon's
-    Newton-Schulz; none for AdamW)."""
-    cfg = DraftConfig.from_target_config(target, aux_layer_ids, draft_vocab, overrides or {})
-    return optimizer_flops_per_step(cfg, optimizer)
+    """The draft's trainable parameters, ``matrices`` and ``rest``."""
+    return draft_config(target, aux_layer_ids, draft_vocab, overrides).trainable_param_counts()
 
 
 def draft_checkpoint_bytes(counts: dict, optimizer: str) -> int:

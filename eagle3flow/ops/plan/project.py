@@ -13,9 +13,9 @@ from eagle3flow.config import default_temperatures
 from eagle3flow.ops import streaming
 from eagle3flow.model.dflash_config import DFLASH_KEEP_CHECKPOINTS, DFlashConfig
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
-from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_optimizer_flops,
-                                           draft_param_counts, hidden_state_bytes_per_token, storage_dtype,
-                                           target_params)
+from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
+from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_config,
+                                           hidden_state_bytes_per_token, storage_dtype, target_params)
 from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, measure, real_path,
                                         stage_outputs_exist)
 from eagle3flow.ops.plan.throughput import (cpu_speed, extract_backend, extract_devices, measured_throughputs,
@@ -79,7 +79,8 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
     samples = work["train_samples"] + work["eval_samples"]
     draft_vocab = min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"]))
     train_cfg = config["train"]
-    draft_counts = draft_param_counts(target, aux_ids, draft_vocab, train_cfg.get("draft", {}))
+    draft = draft_config(target, aux_ids, draft_vocab, train_cfg.get("draft", {}))
+    draft_counts = draft.trainable_param_counts()
     draft_params = sum(draft_counts.values())
     checkpoint = draft_checkpoint_bytes(draft_counts, train_cfg["optimizer"])
     total_params, active_params = target_params(target)
@@ -170,10 +171,9 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
         metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
         # Muon's Newton-Schulz runs once per step on every process, whatever the batch.
-        optimizer_flops = draft_optimizer_flops(target, aux_ids, draft_vocab, train_cfg.get("draft", {}),
-                                                train_cfg["optimizer"])
         r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"])
-                     + optimizer_flops * max(gpus, 1) / int(train_cfg["batch_tokens"]))
+                     + optimizer_flops_per_step(draft, train_cfg["optimizer"]) * max(gpus, 1)
+                     / int(train_cfg["batch_tokens"]))
         train_rate = r
         # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
         # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.

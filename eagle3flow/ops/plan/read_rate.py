@@ -18,6 +18,12 @@ CHUNK = 8 << 20
 HEADROOM = 0.8
 
 
+def evict_from_page_cache(fd: int) -> None:
+    """Drop an open file's cached pages (flushed first: dirty pages are not dropped); no root."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def measure_read_rate(folder: Path, size: int = PROBE_BYTES) -> float | None:
     """Bytes/s a sequential read of a ``size``-byte file under ``folder`` (or its nearest
     existing parent) reached, from the disk (the file's pages dropped first); None where the
@@ -32,10 +38,9 @@ def measure_read_rate(folder: Path, size: int = PROBE_BYTES) -> float | None:
             for _ in range(max(1, size // CHUNK)):
                 f.write(block)
             f.flush()
-            os.fsync(f.fileno())
         fd = os.open(probe, os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            evict_from_page_cache(fd)
             read, t0 = 0, time.perf_counter()
             while chunk := os.read(fd, CHUNK):
                 read += len(chunk)
