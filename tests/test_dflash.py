@@ -487,6 +487,55 @@ def test_vllm_serves_a_trained_dflash_draft_losslessly_as_the_replay_predicts(ra
     assert length > random_length + 0.15, (length, random_length)
 
 
+@pytest.mark.slow
+def test_an_mla_targets_dflash_draft_is_served_losslessly_by_the_evaluation(tmp_path, one_thread):
+    """The tiny DeepSeek-V3 target (MLA + MoE) and a DFlash draft (GQA attention: its own
+    attention need not follow the target's) trained on the target's own hidden states,
+    exported and evaluated by the workflow's evaluation on the CPU. vLLM's CPU MLA cache
+    and the draft's attention cache share no block size, so every engine runs the target's
+    attention dense; the greedy outputs with the draft equal the baseline's, and the exact
+    replay sees vLLM's rounds."""
+    from eagle3flow.eval.evaluate import EvalOptions, evaluate
+    from eagle3flow.export.dflash import export_dflash
+    from eagle3flow.target.config import load_target_config
+    from eagle3flow.train.dflash_train import (build_dflash_draft, default_mask_token_id, load_samples,
+                                               save_train_dir, train_dflash)
+    from support.builders import make_hidden_states
+    from support.tiny_targets import make_tiny_deepseek_v3
+
+    target = make_tiny_deepseek_v3(tmp_path / "target")
+    cfg = DFlashConfig.from_target_config(load_target_config(target), block_size=4, num_hidden_layers=1,
+                                          mask_token_id=default_mask_token_id(target))
+    manifest = make_hidden_states(target, tmp_path / "hs", 200, seed=0, aux_layer_ids=tuple(cfg.target_layer_ids))
+    model = build_dflash_draft(target, cfg, seed=0)
+    history = train_dflash(model, load_samples(manifest, cfg), steps=600, lr=3e-3, seed=0)
+    assert history[-1]["loss"] < history[0]["loss"]
+    draft = export_dflash(save_train_dir(model, tmp_path / "train"), target, tmp_path / "draft")
+
+    prompts = tmp_path / "eval_prompts.jsonl"
+    words = ["the", "model", "answers", "a", "question", "about", "cats", "today"]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
+        {"role": "user", "content": " ".join(words[(i + j) % 8] for j in range(3 + i))}]}) + "\n"
+        for i in range(4)))
+    out = tmp_path / "eval" / "summary.json"
+    t0 = time.monotonic()
+    summary = evaluate(draft, target, prompts, None, out, EvalOptions(
+        max_tokens=24, num_prompts=4, device="cpu", temperatures=[0]))
+    print(f"evaluate, DFlash on the MLA target: {time.monotonic() - t0:.1f} s; vLLM {summary['vllm']}")
+    settings = summary["settings"]
+    assert settings["method"] == "dflash" and settings["num_speculative_tokens"] == 3
+    assert settings["mla_attention"] == "dense"
+    for run in ("vllm_baseline", "vllm_eagle3"):
+        assert json.loads((out.parent / f"{run}.json").read_text())["dense_mla"] is True
+    assert summary["lossless"]["passed"] is True, summary["lossless"]
+    vllm = summary["vllm"]
+    assert vllm["num_draft_tokens"] == 3 * vllm["num_drafts"] > 0
+    assert vllm["acceptance_length"] > 1.1, vllm      # 1.23 offline; a random draft accepts nothing here
+    assert summary["simulated"]["acceptance_length"] == pytest.approx(vllm["acceptance_length"], abs=1e-9)
+    rounds = summary["round_agreement"]
+    assert rounds["prompts_rounds_equal_but_last"] == rounds["prompts_compared"] == 4, rounds
+
+
 def test_without_a_spare_row_the_mask_is_a_special_token_the_chat_template_never_writes(tmp_path):
     """SmolLM2's case: the tokenizer fills the embedding and its pad token is its EOS. The
     mask is then the last special token that is none of bos/eos/pad/unk and that a rendered

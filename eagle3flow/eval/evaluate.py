@@ -61,6 +61,8 @@ from eagle3flow.eval.dflash_replay import simulate_dflash_on_outputs
 from eagle3flow.eval.replay import (REPLAY_VERSION, draft_layer_ids, draft_method, estimate_at_temperature,
                                     read_draft_config, replay_decision, resolve_precision, simulate_on_outputs)
 from eagle3flow.progress import Progress
+from eagle3flow.serving.vllm_runner import is_mla
+from eagle3flow.target.config import load_target_config
 from eagle3flow.target.remote_code import check_remote_code
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.eval_split import evaluate_split
@@ -192,6 +194,12 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
     torch_device, _, dtype_name = resolve_precision(o.device, o.dtype)
     vllm_device = o.device if o.device == "auto" else torch_device.type
     tensor_parallel_size = o.tensor_parallel_size or job_gpus(torch_device, o.vllm_python)
+    mla = is_mla(load_target_config(target_path))
+    dense_mla = mla and "dflash" in methods.values()
+    if dense_mla:
+        print("evaluate: a DFlash draft of an MLA target: where vLLM runs on the CPU, every engine runs the target's "
+              "attention dense (VLLM_MLA_DISABLE), since vLLM's CPU MLA and standard attention caches "
+              "share no block size", file=sys.stderr, flush=True)
     base_request = {
         "target": str(target_path.resolve()), "max_tokens": int(max_tokens),
         "sets": [{"name": s["name"], "prompts": s["prompts"],
@@ -201,6 +209,9 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
         "target_stamp": dir_stamp(target_path),   # only for the fingerprint
         # Only when set: the runs cached before the key existed keep their fingerprints.
         **({"trust_remote_code": True} if trust_remote_code else {}),
+        # A DFlash draft of an MLA target: on the CPU every engine runs the target's attention
+        # dense (serving/vllm_runner.py); only when so, as above.
+        **({"dense_mla_on_cpu": True} if dense_mla else {}),
         # The sampled runs, in the same engines; only when asked for (as above).
         **({"temperatures": sampled, "samples_per_prompt": int(o.samples_per_prompt),
             "sample_seed": int(o.sample_seed)} if sampled else {}),
@@ -313,6 +324,7 @@ def evaluate(draft_dir, target_path, eval_prompts_jsonl, eval_manifest, out_json
             "aux_layer_ids": draft_layer_ids(draft_configs[draft_name]),
             "method": methods[draft_name], "methods": methods,
             "replay": replay,
+            "mla_attention": ("dense" if speculative.get("dense_mla") else "latent") if mla else None,
             "temperatures": [0.0] + sampled,
             **({"samples_per_prompt": int(o.samples_per_prompt), "sample_seed": int(o.sample_seed),
                 "confidence": float(o.confidence), "lossless_positions": int(o.lossless_positions),

@@ -109,6 +109,7 @@ REQUEST_DEFAULTS = {
     "samples_per_prompt": 4,
     "sample_seed": 0,
     "probabilistic_draft": False,
+    "dense_mla_on_cpu": False,      # an MLA target's attention run dense on the CPU (cpu_engine_options)
 }
 
 
@@ -270,18 +271,25 @@ def engine_process_env(target: str | os.PathLike) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if engine_core_in_process(target) else "1")
 
 
-def cpu_engine_options(target_config: dict, dtype: str) -> dict:
+def is_mla(target_config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): ``kv_lora_rank`` in the config."""
+    return "kv_lora_rank" in target_config
+
+
+def cpu_engine_options(target_config: dict, dtype: str, dense_mla: bool = False) -> dict:
     """vLLM CPU engine options a target needs to compute what transformers computes.
 
-    An MLA target (DeepSeek-V2/V3, Kimi-K2: ``kv_lora_rank`` in its config): the CPU
-    rotary custom op gives silently wrong MLA outputs (the native one is right); and on
-    hosts with AMX, vLLM prefers its AMX MLA kernels, which take only bf16/fp16/int8
-    weights and refuse a float32 engine: there the reference CPU_MLA backend is asked for.
+    An MLA target: the CPU rotary custom op gives silently wrong MLA outputs (the native
+    one is right); and on hosts with AMX, vLLM prefers its AMX MLA kernels, which take
+    only bf16/fp16/int8 weights and refuse a float32 engine: there the reference CPU_MLA
+    backend is asked for, unless ``dense_mla`` (``VLLM_MLA_DISABLE``, set by
+    :func:`generate`) runs its attention as standard attention over the decompressed keys
+    and values, the same function with another cache.
     """
     options: dict = {"enforce_eager": True}
-    if "kv_lora_rank" in target_config:
+    if is_mla(target_config):
         options["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
-        if dtype == "float32":
+        if dtype == "float32" and not dense_mla:
             options["attention_config"] = {"backend": "CPU_MLA"}
     return options
 
@@ -365,9 +373,18 @@ def generate(request: dict) -> dict:
                   disable_log_stats=False)  # get_metrics() asserts stat logging is on
     if int(request["tensor_parallel_size"]) == 1:
         kwargs["distributed_executor_backend"] = "uni"
+    dense_mla = False
     if on_cpu:
-        kwargs.update({k: v for k, v in cpu_engine_options(load_target_config(request["target"]),
-                                                           str(request["dtype"])).items()
+        target_config = load_target_config(request["target"])
+        # A DFlash draft beside an MLA target: vLLM's CPU MLA cache takes blocks of 16 and
+        # its standard attention cache (the draft's) multiples of 32, and one engine's caches
+        # must share a block size, so every engine of such an evaluation (the baseline too,
+        # for the same arithmetic) runs the target's attention dense.
+        dense_mla = bool(request["dense_mla_on_cpu"]) and is_mla(target_config)
+        if dense_mla:
+            os.environ["VLLM_MLA_DISABLE"] = "1"     # read when the engine's config is built
+        kwargs.update({k: v for k, v in cpu_engine_options(target_config, str(request["dtype"]),
+                                                           dense_mla).items()
                        if k != "enforce_eager"})
     else:
         kwargs["gpu_memory_utilization"] = float(request["gpu_memory_utilization"])
@@ -448,6 +465,7 @@ def generate(request: dict) -> dict:
         "draft_sample_method": draft_method,
         "draft_sample_note": draft_note,
         "cpu_expand_kernel": cpu_fix,
+        "dense_mla": dense_mla,
         "temperature_runs": temperature_runs,
     }
 

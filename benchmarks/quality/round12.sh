@@ -1,0 +1,28 @@
+#!/bin/bash
+# Round 12 on one GPU: the drafts the vLLM comparison serves (benchmarks/quality/README.md,
+# "DFlash against EAGLE-3 in vLLM"): EAGLE-3 with forward KL and with lk_hybrid, and DFlash
+# drafts of blocks of 8 and 4 (round 11's best settings: EAGLE-3's target layers, D-PACE,
+# lr 1e-3) at the EAGLE-3 draft's training tokens, on gpu_data.py's data. Leaves in WORK/keep
+# what the CPU evaluation needs: each draft's train dir, the vocabulary map, the dataset split.
+#   bash benchmarks/quality/round12.sh SmolLM2-135M-Instruct.Q4_1.gguf question.jsonl WORK
+set -euo pipefail
+GGUF=$(realpath "${1:?GGUF}"); MT_BENCH=$(realpath "${2:?MT-bench question.jsonl}"); W=$(realpath -m "${3:?WORK}")
+mkdir -p "$W"
+step() { echo "=== $(date +%T) $*"; }
+[ -f "$W/target/config.json" ] || { step target; python3 -m eagle3flow.target.pretrained --out-dir "$W/target" --gguf "$GGUF"; }
+step data
+python3 benchmarks/quality/gpu_data.py --target "$W/target" --out "$W/data" --prompts 1500 --mt-bench "$MT_BENCH"
+D=$W/data
+step ablate
+python3 benchmarks/quality/ablate.py --gguf "$GGUF" --train "$D/dataset/train.parquet" --eval "$D/dataset/eval.parquet" \
+  --score "eval128=$D/eval128.parquet" --score "mt_bench128=$D/mt_bench128.parquet" --work "$W/A" \
+  --grid benchmarks/quality/grid_round12.json --out "$W/round12.json"
+step keep
+mkdir -p "$W/keep"
+cp "$W/round12.json" "$W/A/vocab_map.safetensors" "$W/keep/"
+cp -r "$D/dataset" "$W/keep/dataset"
+for name in $(python3 -c "import json; print(' '.join(json.load(open('benchmarks/quality/grid_round12.json'))))"); do
+  mkdir -p "$W/keep/$name"
+  cp "$W/A/out/$name"/{draft.safetensors,draft_config.json,eval.json} "$W/keep/$name/"
+done
+step done
