@@ -158,6 +158,67 @@ def test_sum_gradients_over_two_gloo_ranks(dtype, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+SHARDED_MUON = r"""
+import torch
+from eagle3flow.train import optim
+from eagle3flow.train.distributed import init_distributed
+ctx = init_distributed("cpu")
+shapes = [(48, 16), (16, 48), (32, 32), (8, 64), (64, 8)]
+calls = []
+orthogonalize = optim.orthogonalize
+def counted(matrix, *args):
+    calls.append(tuple(matrix.shape))
+    return orthogonalize(matrix, *args)
+optim.orthogonalize = counted
+def three_steps(shard):
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+    opt = optim.Muon(params, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw",
+                     shard=shard)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)     # the summed gradients: alike on every rank
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+sharded, opt = three_steps((ctx.rank, ctx.world_size))
+mine = len(calls)
+calls.clear()
+alone, alone_opt = three_steps(None)
+assert len(calls) == 3 * len(shapes)
+assert mine == 3 * sum(owner == ctx.rank for owner in opt.owners.values()) and 0 < mine < len(calls), mine
+for a, b in zip(sharded, alone):
+    assert torch.equal(a, b)
+assert torch.equal(opt.state[sharded[0]]["momentum_buffer"], alone_opt.state[alone[0]]["momentum_buffer"])
+print("RESULT", ctx.rank, mine)
+ctx.close()
+"""
+
+
+def test_muon_shares_newton_schulz_over_two_gloo_ranks_bitwise(tmp_path):
+    """Each matrix orthogonalised on one rank, the update broadcast: every rank's weights
+    equal one process's after three steps, bit for bit, each rank having run only its share."""
+    script = tmp_path / "muon.py"
+    script.write_text(SHARDED_MUON)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "2", str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shares = sorted(int(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    assert len(shares) == 2 and sum(shares) == 3 * 5
+
+
+def test_muon_owners_balance_the_products_and_follow_from_the_shapes():
+    from eagle3flow.train.optim import muon_owners
+
+    shapes = [torch.Size(s) for s in [(4096, 12288), (6144, 8192), (4096, 4096), (28672, 4096), (4096, 14336)]]
+    assert muon_owners(shapes, 1) == [0] * 5
+    owners = muon_owners(shapes, 2)
+    assert owners == muon_owners(list(shapes), 2) and set(owners) == {0, 1}
+    # the largest goes first, to rank 0; on 8 ranks every matrix has a rank of its own
+    assert owners[3] == 0 and len(set(muon_owners(shapes, 8))) == 5
+
+
 def test_rank_shares_cover_the_batch_once():
     lengths = [[30, 10, 20], [40, 5]]
     batch = [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]

@@ -52,7 +52,7 @@ class TrainMetrics:
     ``text`` is the last line in short, for the progress line. ``flops``: the run's
     :func:`eagle3flow.model.flops.train_flops_per_token` (its ``per_row`` and ``per_scored``:
     a step's FLOPs follow the rows its loss scores) and ``optimizer_per_step``, the
-    optimizer's products per step and process
+    optimizer's products per step, shared by the ranks
     (:func:`eagle3flow.model.optimizer_flops.optimizer_flops_per_step`)."""
 
     def __init__(self, ctx: DistContext, paths: tuple[Path, ...], trackers: Trackers, peak: PeakFlops,
@@ -90,9 +90,9 @@ class TrainMetrics:
         now = time.perf_counter()
         seconds = max(now - self.window_t0, 1e-9)
         tokens_per_s = self.window_tokens / seconds
-        # Muon's Newton-Schulz runs once per step on every process, whatever the batch.
+        # Muon's Newton-Schulz runs once per step, whatever the batch, each matrix on one rank.
         flops = (self.window_tokens * self.flops["per_row"] + self.window_scored * self.flops["per_scored"]
-                 + self.window_steps * ctx.world_size * self.flops.get("optimizer_per_step", 0.0))
+                 + self.window_steps * self.flops.get("optimizer_per_step", 0.0))
         row = {"step": step, "epoch": epoch, "loss": summed[0],
                "step_loss": summed[2:2 + num_steps],
                "step_acc": [h / c if c else 0.0 for h, c in zip(summed[2 + num_steps:], counts)],

@@ -141,7 +141,7 @@ class Trainer:
         named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named_params]
         ctx.broadcast_(self.params)
-        self.optimizer = build_optimizers(named_params, cfg, device)
+        self.optimizer = build_optimizers(named_params, cfg, device, (ctx.rank, ctx.world_size))
 
         self.data = ShardData(manifest)
         self.last_evaluation: tuple[int, dict] | None = None   # (step, its evaluation)
@@ -300,8 +300,9 @@ def train_rank(ctx: DistContext, cfg: dict, train_manifest, eval_manifest, vocab
     flops = train_flops_per_token(trainer.model.config, num_steps, mean_causal_context(all_lengths))
     flops_per_token = flops["total"]
     flops["optimizer_per_step"] = optimizer_flops_per_step(trainer.model.config, cfg["optimizer"])
-    muon = (f" + {flops['optimizer_per_step'] / 1e12:.3g} TFLOP per optimizer step and process (Muon's "
-            f"Newton-Schulz)" if flops["optimizer_per_step"] else "")
+    muon = (f" + {flops['optimizer_per_step'] / 1e12:.3g} TFLOP per optimizer step (Muon's Newton-Schulz"
+            f"{f', shared by {ctx.world_size} processes' if ctx.enabled else ''})"
+            if flops["optimizer_per_step"] else "")
     peak = PeakFlops(device, cfg["peak_flops"])
     log(f"train: {ctx.world_size} process(es) on {device.type}, {total_steps} steps of <= "
         f"{cfg['batch_tokens']} tokens, {flops_per_token / 1e9:.3f} GFLOP/token with every row scored "

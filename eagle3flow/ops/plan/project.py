@@ -170,10 +170,9 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
         steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
         metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
-        # Muon's Newton-Schulz runs once per step on every process, whatever the batch.
+        # Muon's Newton-Schulz runs once per step, whatever the batch, shared by the GPUs.
         r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"])
-                     + optimizer_flops_per_step(draft, train_cfg["optimizer"]) * max(gpus, 1)
-                     / int(train_cfg["batch_tokens"]))
+                     + optimizer_flops_per_step(draft, train_cfg["optimizer"]) / int(train_cfg["batch_tokens"]))
         train_rate = r
         # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
         # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
