@@ -5,11 +5,7 @@
 # (grid_round11_lk.json), on gpu_data.py's data with held-out and MT-bench answers greedy and
 # sampled at 0.6 and 1.0. Resumes: each step skips what its outputs already hold.
 #   bash benchmarks/quality/round11.sh SmolLM2-135M-Instruct.Q4_1.gguf question.jsonl WORK
-set -euo pipefail
-GGUF=$(realpath "${1:?GGUF}"); MT_BENCH=$(realpath "${2:?MT-bench question.jsonl}"); W=$(realpath -m "${3:?WORK}")
-mkdir -p "$W"
-step() { echo "=== $(date +%T) $*"; }
-[ -f "$W/target/config.json" ] || { step target; python3 -m eagle3flow.target.pretrained --out-dir "$W/target" --gguf "$GGUF"; }
+source "$(dirname "$0")/gpu_round.sh"
 step data
 python3 benchmarks/quality/gpu_data.py --target "$W/target" --out "$W/data" --prompts 1500 \
   --mt-bench "$MT_BENCH" --eval-temperature 0.6 --eval-temperature 1

@@ -5,11 +5,7 @@
 # lr 1e-3) at the EAGLE-3 draft's training tokens, on gpu_data.py's data. Leaves in WORK/keep
 # what the CPU evaluation needs: each draft's train dir, the vocabulary map, the dataset split.
 #   bash benchmarks/quality/round12.sh SmolLM2-135M-Instruct.Q4_1.gguf question.jsonl WORK
-set -euo pipefail
-GGUF=$(realpath "${1:?GGUF}"); MT_BENCH=$(realpath "${2:?MT-bench question.jsonl}"); W=$(realpath -m "${3:?WORK}")
-mkdir -p "$W"
-step() { echo "=== $(date +%T) $*"; }
-[ -f "$W/target/config.json" ] || { step target; python3 -m eagle3flow.target.pretrained --out-dir "$W/target" --gguf "$GGUF"; }
+source "$(dirname "$0")/gpu_round.sh"
 step data
 python3 benchmarks/quality/gpu_data.py --target "$W/target" --out "$W/data" --prompts 1500 --mt-bench "$MT_BENCH"
 D=$W/data

@@ -259,7 +259,7 @@ def evaluate(work: Path, results: Path, drafts: dict[str, Path]) -> Path:
     out.mkdir(exist_ok=True)
     main_name, main_dir = next(iter(drafts.items()))
     config = {"num_speculative_tokens": EVAL["ks"][0], "vllm_sweep_k": EVAL["ks"][1:], "replay_max_k": max(EVAL["ks"]),
-              "max_tokens": EVAL["max_tokens"], "num_prompts": 0, "draft_name": main_name,
+              "max_tokens": EVAL["max_tokens"], "num_prompts": None, "draft_name": main_name,
               "compare_drafts": {name: str(path) for name, path in list(drafts.items())[1:]},
               "prompt_sets": {"mt_bench_turn1": str(mt_bench_first_turns(out / "mt_bench_turn1.jsonl"))}}
     run([sys.executable, "-m", "eagle3flow.eval.evaluate", "--draft", main_dir,
