@@ -159,6 +159,7 @@ def test_sum_gradients_over_two_gloo_ranks(dtype, tmp_path):
 
 
 SHARDED_MUON = r"""
+import os, pathlib
 import torch
 from eagle3flow.train import optim
 from eagle3flow.train.distributed import init_distributed
@@ -190,7 +191,7 @@ assert mine == 3 * sum(owner == ctx.rank for owner in opt.owners.values()) and 0
 for a, b in zip(sharded, alone):
     assert torch.equal(a, b)
 assert torch.equal(opt.state[sharded[0]]["momentum_buffer"], alone_opt.state[alone[0]]["momentum_buffer"])
-print("RESULT", ctx.rank, mine)
+pathlib.Path(os.environ["SHARES_DIR"], f"rank{ctx.rank}").write_text(str(mine))
 ctx.close()
 """
 
@@ -200,12 +201,17 @@ def test_muon_shares_newton_schulz_over_two_gloo_ranks_bitwise(tmp_path):
     equal one process's after three steps, bit for bit, each rank having run only its share."""
     script = tmp_path / "muon.py"
     script.write_text(SHARDED_MUON)
+    # each rank writes its share to a file of its own: two ranks' lines on one captured stdout
+    # were seen to lose one of them
+    shares_dir = tmp_path / "shares"
+    shares_dir.mkdir()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                              "2", str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                 "SHARES_DIR": str(shares_dir)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    shares = sorted(int(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("RESULT"))
-    assert len(shares) == 2 and sum(shares) == 3 * 5
+    shares = {path.name: int(path.read_text()) for path in shares_dir.iterdir()}
+    assert sorted(shares) == ["rank0", "rank1"] and sum(shares.values()) == 3 * 5, (shares, result.stderr[-3000:])
 
 
 def test_muon_owners_balance_the_products_and_follow_from_the_shapes():
