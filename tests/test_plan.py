@@ -293,8 +293,8 @@ def test_hf_extraction_is_projected_at_one_devices_speed(tmp_path):
     on_one = plan_lib.project(resolved_config(resources={"gpus": 1}, extract={"backend": "hf"}), tmp_path)
     assert stage_row(on_eight, "extract").seconds == pytest.approx(stage_row(on_one, "extract").seconds)
     assert "on 1 GPU(s), hf backend" in stage_row(on_eight, "extract").time_basis
-    # Training is data parallel over every GPU (its process start aside), Muon's Newton-Schulz
-    # too: each matrix's on one GPU (train/optim.py muon_owners).
+    # Training is data parallel over every GPU (its process start aside); Muon's Newton-Schulz
+    # runs each matrix on one GPU (muon_owners), so the step waits for the busiest GPU's share.
     from eagle3flow.ops.plan.project import ASSUMED_STAGE_START_S as start
 
     def train_seconds(gpus, optimizer):
@@ -302,8 +302,10 @@ def test_hf_extraction_is_projected_at_one_devices_speed(tmp_path):
                                                 train={"optimizer": optimizer}), tmp_path)
         return stage_row(plan, "train").seconds - start
     assert train_seconds(8, "adamw") == pytest.approx(train_seconds(1, "adamw") / 8)
-    assert train_seconds(8, "muon") == pytest.approx(train_seconds(1, "muon") / 8)
     assert train_seconds(1, "muon") > 1.001 * train_seconds(1, "adamw")
+    newton_schulz_8 = train_seconds(8, "muon") - train_seconds(8, "adamw")
+    newton_schulz_1 = train_seconds(1, "muon") - train_seconds(1, "adamw")
+    assert newton_schulz_1 / 8 < newton_schulz_8 < newton_schulz_1
 
 
 def test_own_target_on_built_in_prompts_projects_no_embedded_build(tmp_path):

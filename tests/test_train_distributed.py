@@ -171,6 +171,7 @@ def counted(matrix, *args):
     calls.append(tuple(matrix.shape))
     return orthogonalize(matrix, *args)
 optim.orthogonalize = counted
+optim.BROADCAST_WINDOW_BYTES = 4096     # a few updates in flight, the oldest waited for and applied
 def three_steps(shard):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
@@ -223,6 +224,17 @@ def test_muon_owners_balance_the_products_and_follow_from_the_shapes():
     assert owners == muon_owners(list(shapes), 2) and set(owners) == {0, 1}
     # the largest goes first, to rank 0; on 8 ranks every matrix has a rank of its own
     assert owners[3] == 0 and len(set(muon_owners(shapes, 8))) == 5
+    # the step waits for the busiest rank: all of it on one, the largest matrix's on 8
+    from eagle3flow.model.optimizer_flops import busiest_rank_flops_per_step, newton_schulz_flops
+
+    class Draft:
+        def hidden_matrix_shapes(self):
+            return [tuple(s) for s in shapes]
+    total = newton_schulz_flops(Draft().hidden_matrix_shapes())
+    assert busiest_rank_flops_per_step(Draft(), "muon", 1) == total
+    assert busiest_rank_flops_per_step(Draft(), "muon", 8) == newton_schulz_flops([shapes[3]])
+    assert total / 2 <= busiest_rank_flops_per_step(Draft(), "muon", 2) < total
+    assert busiest_rank_flops_per_step(Draft(), "adamw", 8) == 0
 
 
 def test_rank_shares_cover_the_batch_once():

@@ -106,15 +106,19 @@ def target_flops_per_token(t: dict, context: float) -> float:
 
 def eagle3_round_flops(d: dict, k: int, context: float, accepted: float) -> float:
     """K sequential draft steps of one row (qkv from [embedding, hidden], o, MLP, attention,
-    the draft lm_head), plus fc over the rows the round accepted (+1, the bonus token)."""
+    the draft lm_head), plus fc and the first step's layer over the rows the round accepted
+    (+1, the bonus token)."""
     h, heads = d["hidden_size"], d["num_attention_heads"]
     hd = d.get("head_dim") or h // heads
     kv = d["num_key_value_heads"]
-    step = (linear(2 * h, (heads + 2 * kv) * hd) + linear(heads * hd, h) + linear(h, 3 * d["intermediate_size"])
-            + linear(h, d["draft_vocab_size"]))
+    layer = linear(2 * h, (heads + 2 * kv) * hd) + linear(heads * hd, h) + linear(h, 3 * d["intermediate_size"])
+    head = linear(h, d["draft_vocab_size"])
     attention = sum(4.0 * heads * hd * (context + j) for j in range(k))
     fc = linear(len(d["eagle_aux_hidden_state_layer_ids"]) * d["target_hidden_size"], h, accepted + 1)
-    return k * step + attention + fc
+    # vLLM's first draft step runs the layer over every row the round verified (the accepted
+    # ones and the bonus token), the lm_head over the last one only
+    first_step_rows = accepted * (layer + 4.0 * heads * hd * context)
+    return k * (layer + head) + attention + fc + first_step_rows
 
 
 def dflash_round_flops(d: dict, context: float, accepted: float) -> float:
@@ -153,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default: WORK/summary.json)")
     parser.add_argument("what", nargs="?", default="all", choices=["all", "table"])
     args = parser.parse_args(argv)
+    if args.what == "all" and (args.keep is None or args.gguf is None):
+        parser.error("--keep and --gguf are needed to export and evaluate the drafts (or: WORK table)")
     work = args.work.resolve()
     out = args.out or work / "summary.json"
     if args.what == "all":
@@ -202,13 +208,15 @@ def markdown(result: dict) -> str:
     lines = ["| set | K | draft | vLLM AL | per position | replay AL | lossless | draft FLOPs / proposed token "
              "(x target's per token) | draft forwards / round | projected speedup, verification-bound | "
              "vLLM CPU tokens/s ratio |", "| --- | ---: | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    def number(x, spec: str, suffix: str = "") -> str:
+        return "n/a" if x is None else f"{x:{spec}}{suffix}"
     for r in sorted(result["rows"], key=lambda r: (r["set"], r["k"], r["method"], r["draft"])):
-        per_pos = " / ".join(f"{x:.2f}" for x in r["acceptance_rate_per_position"])
+        per_pos = " / ".join(number(x, ".2f") for x in r["acceptance_rate_per_position"] or [])
         lines.append(f"| {r['set']} | {r['k']} | {r['draft']} | {r['acceptance_length']:.3f} | {per_pos} | "
                      f"{r['replay_acceptance_length']:.3f} | {'yes' if r['lossless'] else 'NO'} | "
                      f"{r['per_proposed_token_over_target_token']:.3f} | {r['draft_forwards_per_round']} | "
                      f"{r['projected_speedup_verification_bound']:.2f}x | "
-                     f"{r['vllm_cpu_speedup']:.2f}x |")
+                     f"{number(r['vllm_cpu_speedup'], '.2f', 'x')} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """The matrix products the optimizer runs per step: Muon's Newton-Schulz iteration over the
-draft's hidden matrices (train/optim.py), once per optimizer step on every process, whatever
-the batch; none for AdamW. Torch-free, so the plan projects training time with it; the
-trainer's MFU adds it to eagle3flow/model/flops.py's count of the model's products.
+draft's hidden matrices (train/optim.py), once per optimizer step whatever the batch, shared
+by the ranks of a data-parallel job (each matrix on its owner, :func:`muon_owners`); none for
+AdamW. Torch-free, so the plan projects training time with it; the trainer's MFU adds it to
+eagle3flow/model/flops.py's count of the model's products.
 tests/test_flops.py checks it against torch's count of a real Muon step."""
 from __future__ import annotations
 
@@ -22,6 +23,34 @@ def newton_schulz_flops(shapes, steps: int = NEWTON_SCHULZ_STEPS) -> float:
 
 
 def optimizer_flops_per_step(cfg, optimizer: str, steps: int = NEWTON_SCHULZ_STEPS) -> float:
-    """The matrix products ``train.optimizer`` runs per optimizer step on every rank: Muon's
-    Newton-Schulz over the draft's hidden matrices (``cfg``: a DraftConfig), none for AdamW."""
+    """The matrix products ``train.optimizer`` runs per optimizer step, all ranks together:
+    Muon's Newton-Schulz over the draft's hidden matrices (``cfg``: a DraftConfig), none for
+    AdamW."""
     return newton_schulz_flops(cfg.hidden_matrix_shapes(), steps) if optimizer == "muon" else 0.0
+
+
+def muon_owners(shapes, world_size: int) -> list[int]:
+    """The rank that orthogonalises each matrix of ``shapes`` under data parallelism: the
+    largest Newton-Schulz first, each to the least-loaded rank (ties: the lowest rank), so
+    every rank derives the same owners from the shapes alone."""
+    load = [0.0] * world_size
+    owners = [0] * len(shapes)
+    cost = [newton_schulz_flops([tuple(shape[:2])]) for shape in shapes]
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += cost[i]
+    return owners
+
+
+def busiest_rank_flops_per_step(cfg, optimizer: str, world_size: int) -> float:
+    """The optimizer products of the rank that runs the most of them (:func:`muon_owners`):
+    a data-parallel step waits for it. A draft has few matrices, one MLP projection the
+    largest, so on 8 ranks the busiest runs ~20% of them, not 1/8."""
+    if optimizer != "muon":
+        return 0.0
+    shapes = cfg.hidden_matrix_shapes()
+    load = [0.0] * max(world_size, 1)
+    for shape, owner in zip(shapes, muon_owners(shapes, max(world_size, 1))):
+        load[owner] += newton_schulz_flops([shape])
+    return max(load)

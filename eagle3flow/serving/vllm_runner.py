@@ -381,8 +381,10 @@ def generate(request: dict) -> dict:
         # must share a block size, so every engine of such an evaluation (the baseline too,
         # for the same arithmetic) runs the target's attention dense.
         dense_mla = bool(request["dense_mla_on_cpu"]) and is_mla(target_config)
-        if dense_mla:
-            os.environ["VLLM_MLA_DISABLE"] = "1"     # read when the engine's config is built
+        if is_mla(target_config):      # read when the engine's config is built; set either way,
+            # so one inherited from the caller's environment cannot make the summary's
+            # settings.mla_attention say what did not run
+            os.environ["VLLM_MLA_DISABLE"] = "1" if dense_mla else "0"
         kwargs.update({k: v for k, v in cpu_engine_options(target_config, str(request["dtype"]),
                                                            dense_mla).items()
                        if k != "enforce_eager"})

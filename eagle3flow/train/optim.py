@@ -10,8 +10,9 @@
   Muon's whitening is not what one wants). Under data parallelism each matrix's
   Newton-Schulz runs on one rank only (:func:`muon_owners`) and its update is broadcast:
   every rank holds the same summed gradients, so the update it receives is the one it
-  would have computed, bit for bit, at a 1/world_size share of the products (27 TFLOP a
-  step for an 8B-shaped draft, 107 for Kimi-K2.5's MLA draft).
+  would have computed, bit for bit, each rank running its owners' share of the products
+  (27 TFLOP a step in all for an 8B-shaped draft, 107 for Kimi-K2.5's MLA draft; the
+  busiest of 8 ranks ~20% of them, one MLP projection being the largest matrix).
 
 ``train.lr_schedule``: linear warmup over ``warmup_ratio`` of the steps, then a
 ``cosine`` or ``linear`` decay to ``lr * min_lr_ratio``. A chained run (streaming
@@ -23,8 +24,17 @@ Both are kept in checkpoints as ``{name: state_dict}`` per optimizer.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
+import torch.distributed as dist
+
+from eagle3flow.model.optimizer_flops import muon_owners
+
+# Sharded Muon: bytes of received updates in flight before the oldest is waited for and
+# applied, so a rank never holds every other rank's updates at once (~1.3 GB in bf16 for
+# Kimi-K2.5's MLA draft) while the broadcasts still overlap the owners' Newton-Schulz.
+BROADCAST_WINDOW_BYTES = 256 * 2**20
 
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "linear")
@@ -74,23 +84,6 @@ def update_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
-    """The rank that orthogonalises each matrix: the largest Newton-Schulz first, each to
-    the least-loaded rank (ties: the lowest rank), so every rank derives the same owners
-    from the shapes alone. Load: one iteration's products, ``2 m^2 n + m^3`` for the
-    wide orientation ``m <= n`` (:mod:`eagle3flow.model.optimizer_flops` has the exact count)."""
-    def cost(shape: torch.Size) -> float:
-        m, n = sorted(shape[:2])
-        return 2.0 * m * m * n + float(m) ** 3
-    load = [0.0] * world_size
-    owners = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-cost(shapes[i]), i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += cost(shapes[i])
-    return owners
-
-
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` (its settings, state and checkpoints) with the Newton-Schulz
     iteration in ``ns_dtype``: by default bfloat16 on CUDA, as torch's, and float32
@@ -116,7 +109,7 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        updates = []
+        in_flight, in_flight_bytes = deque(), 0
         for group in self.param_groups:
             momentum = group["momentum"]
             for param in group["params"]:
@@ -133,20 +126,33 @@ class Muon(torch.optim.Muon):
                 else:
                     update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
                     update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
-                    if self.shard:      # a tall matrix's update is a transposed view: send it in row order
-                        update = update.contiguous()
-                updates.append((group, param, update))
-        if self.shard:
-            import torch.distributed as dist
-            works = [dist.broadcast(update, src=self.owners[id(param)], async_op=True)
-                     for _, param, update in updates]
-            for work in works:
-                work.wait()
-        for group, param, update in updates:
-            lr = float(group["lr"])
-            param.mul_(1 - lr * group["weight_decay"])
-            param.add_(update, alpha=-lr * update_scale(group["adjust_lr_fn"], param.shape))
+                if not self.shard:
+                    apply_update(group, param, update)
+                    continue
+                # every rank issues the broadcasts in the same order (the param groups');
+                # a tall matrix's update is a transposed view: send it in row order
+                update = update.contiguous()
+                work = dist.broadcast(update, src=self.owners[id(param)], async_op=True)
+                in_flight.append((work, group, param, update))
+                in_flight_bytes += update.numel() * update.element_size()
+                while in_flight_bytes > BROADCAST_WINDOW_BYTES:
+                    in_flight_bytes -= finish_broadcast(*in_flight.popleft())
+        while in_flight:
+            finish_broadcast(*in_flight.popleft())
         return loss
+
+
+def apply_update(group: dict, param: torch.Tensor, update: torch.Tensor) -> None:
+    lr = float(group["lr"])
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(update, alpha=-lr * update_scale(group["adjust_lr_fn"], param.shape))
+
+
+def finish_broadcast(work, group: dict, param: torch.Tensor, update: torch.Tensor) -> int:
+    """Wait for one update's broadcast and apply it; returns its bytes."""
+    work.wait()
+    apply_update(group, param, update)
+    return update.numel() * update.element_size()
 
 
 class Optimizers:

@@ -13,7 +13,7 @@ from eagle3flow.config import default_temperatures
 from eagle3flow.ops import streaming
 from eagle3flow.model.dflash_config import DFLASH_KEEP_CHECKPOINTS, DFlashConfig
 from eagle3flow.ops.plan.budget import allowed_peak, budget_refusal
-from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
+from eagle3flow.model.optimizer_flops import busiest_rank_flops_per_step
 from eagle3flow.ops.plan.footprint import (DTYPE_BYTES, aux_layer_ids, draft_checkpoint_bytes, draft_config,
                                            hidden_state_bytes_per_token, storage_dtype, target_params)
 from eagle3flow.ops.plan.stages import (FINGERPRINTED, STAGES, Plan, StageRow, measure, real_path,
@@ -170,9 +170,12 @@ def project(config: dict, root: str | os.PathLike = ".", will_run: dict[str, int
         train_tokens = work["train_tokens"] * int(train_cfg["epochs"])
         steps = max(1, math.ceil(train_tokens / int(train_cfg["batch_tokens"])))
         metrics_bytes = (steps // int(train_cfg.get("log_every", 10)) + 1) * 600 * 2
-        # Muon's Newton-Schulz runs once per step, whatever the batch, shared by the GPUs.
+        # Muon's Newton-Schulz runs once per step, whatever the batch, each matrix on one GPU:
+        # the step waits for the busiest, so the GPUs together spend world x its share.
+        world = devices["train"] if gpus else 1
+        optimizer_flops = world * busiest_rank_flops_per_step(draft, train_cfg["optimizer"], world)
         r, rb = rate("train", 6 * draft_params * int(train_cfg["ttt_steps"])
-                     + optimizer_flops_per_step(draft, train_cfg["optimizer"]) / int(train_cfg["batch_tokens"]))
+                     + optimizer_flops / int(train_cfg["batch_tokens"]))
         train_rate = r
         # What stays: keep_checkpoints checkpoints; one more exists while the newest is written
         # (before the oldest goes): the peak counts it (assemble), the stage's bytes do not.
