@@ -28,24 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import run as quality     # the quality benchmark's run.py, beside this file
+
+REPO = quality.REPO
 RUNS = {"k7": {"k": 7, "drafts": ["eagle3", "eagle3-lk_hybrid", "dflash-b8"]},
         "k3": {"k": 3, "drafts": ["eagle3", "eagle3-lk_hybrid", "dflash-b4"]}}
-EVAL = {"max_tokens": 128, "mt_bench_prompts": 80}
+# the quality benchmark's evaluation: its answer length and MT-bench first turns
+EVAL = {key: quality.EVAL[key] for key in ("max_tokens", "mt_bench_prompts")}
 
 
 def run(command: list, log: Path) -> None:
-    print("+ " + " ".join(map(str, command)), file=sys.stderr, flush=True)
-    with open(log, "a") as out:
-        code = subprocess.run([str(c) for c in command], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {command[:3]} ... (log: {log})")
+    quality.run(command, cwd=REPO, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}, log_file=log)
 
 
 def export(keep: Path, target: Path, work: Path) -> dict[str, Path]:
@@ -64,14 +60,6 @@ def export(keep: Path, target: Path, work: Path) -> dict[str, Path]:
     return drafts
 
 
-def mt_bench_first_turns(questions: Path, out: Path) -> Path:
-    rows = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
-    out.write_text("".join(json.dumps({"id": f"mt{r['question_id']}", "category": r["category"],
-                                       "messages": [{"role": "user", "content": r["turns"][0]}]}) + "\n"
-                           for r in rows[:EVAL["mt_bench_prompts"]]))
-    return out
-
-
 def evaluate(name: str, drafts: dict[str, Path], target: Path, keep: Path, mt_bench: Path, work: Path) -> Path:
     spec = RUNS[name]
     out = work / "eval" / name / "summary.json"
@@ -82,7 +70,8 @@ def evaluate(name: str, drafts: dict[str, Path], target: Path, keep: Path, mt_be
     config = {"num_speculative_tokens": spec["k"], "replay_max_k": spec["k"], "max_tokens": EVAL["max_tokens"],
               "num_prompts": None, "draft_name": main, "temperatures": [0], "device": "cpu",
               "compare_drafts": {d: str(drafts[d]) for d in others},
-              "prompt_sets": {"mt_bench_turn1": str(mt_bench_first_turns(mt_bench, out.parent / "mt_bench.jsonl"))}}
+              "prompt_sets": {"mt_bench_turn1": str(quality.mt_bench_first_turns(out.parent / "mt_bench.jsonl",
+                                                                                  mt_bench))}}
     run([sys.executable, "-m", "eagle3flow.eval.evaluate", "--draft", drafts[main], "--target", target,
          "--eval-prompts", keep / "dataset" / "eval_prompts.jsonl", "--out", out,
          "--config-json", json.dumps(config)], work / f"evaluate_{name}.log")
@@ -153,7 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--keep", type=Path, help="round12.sh's WORK/keep")
     parser.add_argument("--gguf", type=Path)
-    parser.add_argument("--mt-bench", type=Path, default=REPO.parent / "shared/data/mt_bench/question.jsonl")
+    parser.add_argument("--mt-bench", type=Path, default=quality.MT_BENCH)
     parser.add_argument("--out", type=Path, default=None, help="summary JSON (default: WORK/summary.json)")
     parser.add_argument("what", nargs="?", default="all", choices=["all", "table"])
     args = parser.parse_args(argv)

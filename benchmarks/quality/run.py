@@ -240,9 +240,9 @@ def speculators_train(work: Path, results: Path) -> Path:
 
 # ----------------------------------------------------------------------------- evaluation
 
-def mt_bench_first_turns(out: Path) -> Path:
+def mt_bench_first_turns(out: Path, questions: Path = MT_BENCH) -> Path:
     """MT-bench's 80 questions, first turn only: {id, category, messages}."""
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
     with open(out, "w") as f:
         for row in rows[:EVAL["mt_bench_prompts"]]:
             f.write(json.dumps({"id": f"mt{row['question_id']}", "category": row["category"],

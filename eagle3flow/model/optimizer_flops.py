@@ -29,10 +29,10 @@ def optimizer_flops_per_step(cfg, optimizer: str, steps: int = NEWTON_SCHULZ_STE
     return newton_schulz_flops(cfg.hidden_matrix_shapes(), steps) if optimizer == "muon" else 0.0
 
 
-def muon_owners(shapes, world_size: int) -> list[int]:
-    """The rank that orthogonalises each matrix of ``shapes`` under data parallelism: the
-    largest Newton-Schulz first, each to the least-loaded rank (ties: the lowest rank), so
-    every rank derives the same owners from the shapes alone."""
+def newton_schulz_shares(shapes, world_size: int) -> tuple[list[int], list[float]]:
+    """Each matrix of ``shapes``'s owner under data parallelism and each rank's Newton-Schulz
+    FLOPs: the largest matrix first, each to the least-loaded rank (ties: the lowest rank),
+    so every rank derives the same owners from the shapes alone."""
     load = [0.0] * world_size
     owners = [0] * len(shapes)
     cost = [newton_schulz_flops([tuple(shape[:2])]) for shape in shapes]
@@ -40,7 +40,12 @@ def muon_owners(shapes, world_size: int) -> list[int]:
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[i] = rank
         load[rank] += cost[i]
-    return owners
+    return owners, load
+
+
+def muon_owners(shapes, world_size: int) -> list[int]:
+    """The rank that orthogonalises each matrix of ``shapes`` (:func:`newton_schulz_shares`)."""
+    return newton_schulz_shares(shapes, world_size)[0]
 
 
 def busiest_rank_flops_per_step(cfg, optimizer: str, world_size: int) -> float:
@@ -49,8 +54,4 @@ def busiest_rank_flops_per_step(cfg, optimizer: str, world_size: int) -> float:
     largest, so on 8 ranks the busiest runs ~20% of them, not 1/8."""
     if optimizer != "muon":
         return 0.0
-    shapes = cfg.hidden_matrix_shapes()
-    load = [0.0] * max(world_size, 1)
-    for shape, owner in zip(shapes, muon_owners(shapes, max(world_size, 1))):
-        load[owner] += newton_schulz_flops([shape])
-    return max(load)
+    return max(newton_schulz_shares(cfg.hidden_matrix_shapes(), max(world_size, 1))[1])

@@ -380,8 +380,9 @@ def generate(request: dict) -> dict:
         # its standard attention cache (the draft's) multiples of 32, and one engine's caches
         # must share a block size, so every engine of such an evaluation (the baseline too,
         # for the same arithmetic) runs the target's attention dense.
-        dense_mla = bool(request["dense_mla_on_cpu"]) and is_mla(target_config)
-        if is_mla(target_config):      # read when the engine's config is built; set either way,
+        mla = is_mla(target_config)
+        dense_mla = bool(request["dense_mla_on_cpu"]) and mla
+        if mla:                        # read when the engine's config is built; set either way,
             # so one inherited from the caller's environment cannot make the summary's
             # settings.mla_attention say what did not run
             os.environ["VLLM_MLA_DISABLE"] = "1" if dense_mla else "0"
