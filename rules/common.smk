@@ -218,6 +218,10 @@ TRAIN_INPUTS = dict(
     target=target_input(),
     target_identity=target_identity_input(),
 )
+# The trainer's checkpoints and --config-json, for train_draft and the streaming links.
+TRAIN_CACHE = f"{LAYOUT.train_cache}/dflash" if DFLASH else LAYOUT.train_cache
+TRAIN_SETTINGS = (config_lib.dflash_stage_settings(config) if DFLASH
+                  else config_lib.train_stage_settings(config))
 EVALUATE_INPUTS = dict(
     draft=DRAFT_FILES,
     eval_prompts=LAYOUT.dataset("eval_prompts.jsonl"),

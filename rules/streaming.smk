@@ -73,8 +73,8 @@ if STREAM is not None:
             consumed=f"{STREAM_DIR}/consumed-{{link}}.json",
         params:
             link_args=lambda wildcards: link_args(int(wildcards.link)),
-            cache=LAYOUT.train_cache,
-            cfg=json_arg_of(config_lib.train_stage_settings(config)),
+            cache=TRAIN_CACHE,
+            cfg=json_arg_of(TRAIN_SETTINGS),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition"),
         wildcard_constraints:
@@ -106,8 +106,8 @@ if STREAM is not None:
             consumed=f"{STREAM_DIR}/{streaming_lib.consumed_name(STREAM_LAST)}",
         params:
             link_args=link_args(STREAM_LAST),
-            cache=LAYOUT.train_cache,
-            cfg=json_arg_of(config_lib.train_stage_settings(config)),
+            cache=TRAIN_CACHE,
+            cfg=json_arg_of(TRAIN_SETTINGS),
             launch=trainer_launch(),
             gpu_stage=gpu_stage("train_partition_last"),
         threads: COMPUTE_THREADS

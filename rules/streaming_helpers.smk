@@ -3,11 +3,6 @@ from eagle3flow.ops import streaming as streaming_lib
 
 # The chain (eagle3flow.ops.streaming.Chain) when the budget makes this run stream, else None.
 STREAM = plan_lib.streaming_chain(config, os.getcwd(), PLAN_WHEN_READ)
-if STREAM is not None and DFLASH:
-    raise WorkflowError(
-        "storage.budget cannot hold the hidden states, so this run would stream them, and a DFlash draft "
-        "(train.method: dflash) does not train from streaming partitions yet: raise storage.budget or "
-        "train an EAGLE-3 draft")
 STREAM_DIR = LAYOUT.streaming_dir
 STREAM_PART = (
     LAYOUT.streamed_partition_manifest
@@ -23,7 +18,8 @@ STREAM_CONSUMED = (
 STREAM_TRAIN_SHELL = (
     "{params.gpu_stage} --log {log:q} --"
     " python -m eagle3flow.ops.streaming train-link {params.link_args}"
-    " --train-manifest {input.train:q} --stats {input.stats:q} --vocab-map {input.vocab_map:q}"
+    " --train-manifest {input.train:q} --stats {input.stats:q}"
+    + (" --method dflash" if DFLASH else " --vocab-map {input.vocab_map:q}") +
     " --target {input.target:q} --cache-root {params.cache:q} --config-json {params.cfg}"
     " --marker {output.consumed:q} -- {params.launch}"
 )
@@ -62,7 +58,7 @@ def extraction_gate(wildcards):
 def link_inputs(link):
     inputs = dict(
         train=stream_manifest("train", link),
-        vocab_map=LAYOUT.vocab_map,
+        **({} if DFLASH else {"vocab_map": LAYOUT.vocab_map}),
         stats=LAYOUT.dataset("stats.json"),
         target=target_input(),
         target_identity=target_identity_input(),

@@ -17,8 +17,8 @@ if DFLASH:
             eval=LAYOUT.train("eval.json"),
         params:
             out_dir=lambda wildcards, output: os.path.dirname(output.weights),
-            cache=f"{LAYOUT.train_cache}/dflash",
-            cfg=json_arg_of(config_lib.dflash_stage_settings(config)),
+            cache=TRAIN_CACHE,
+            cfg=json_arg_of(TRAIN_SETTINGS),
             gpu_stage=gpu_stage("train_draft"),
             launch=trainer_launch(),
         threads: COMPUTE_THREADS
@@ -48,8 +48,8 @@ else:
             eval=LAYOUT.train("eval.json"),
         params:
             out_dir=lambda wildcards, output: os.path.dirname(output.weights),
-            cache=LAYOUT.train_cache,
-            cfg=json_arg_of(config_lib.train_stage_settings(config)),
+            cache=TRAIN_CACHE,
+            cfg=json_arg_of(TRAIN_SETTINGS),
             gpu_stage=gpu_stage("train_draft"),
             launch=trainer_launch(),
         threads: COMPUTE_THREADS

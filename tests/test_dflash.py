@@ -321,13 +321,14 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one_bitwise(t
                            checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
                                                                           DFLASH_KEEP_CHECKPOINTS),
                            checkpoint_every=2)
-    assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]     # none at the end: the train dir is
+    # The last two (DFLASH_KEEP_CHECKPOINTS), the final step's among them: a rerun ends there
+    assert [step for step, _ in list_checkpoints(run_dir)] == [4, 6]
     resumed = random_draft(cfg)          # the frozen embeddings and lm_head are the target's: the same
     with torch.no_grad():                # the trained weights elsewhere: the checkpoint must bring them
         for name, p in resumed.named_parameters():
             if name not in resumed.FROZEN:
                 p.normal_()
-    state = torch.load(list_checkpoints(run_dir)[-1][1] / "state.pt", weights_only=False)
+    state = torch.load(list_checkpoints(run_dir)[0][1] / "state.pt", weights_only=False)
     resumed_history = train_dflash(resumed, samples, steps=6, samples_per_step=4, anchors_per_sample=3, seed=5,
                                    resume=state)
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]

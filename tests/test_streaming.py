@@ -178,6 +178,50 @@ def stats_tokens(stats: Path) -> int:
     return json.loads(stats.read_text())["splits"]["train"]["tokens"]
 
 
+def test_dflash_links_train_the_chains_steps_on_one_schedule(two_parts, random_llama_target, tmp_path, capfd):
+    """train.method dflash, streamed: link 0 trains its share of dflash.steps by its
+    partition's tokens, link 1 starts from link 0's final checkpoint and ends at
+    dflash.steps, one cosine schedule over both; each link consumes its partition and no
+    vocabulary map is read."""
+    from eagle3flow.train.launch import DFLASH_TRAINER
+
+    parts, _, stats = two_parts
+    manifests = []
+    for k, part in enumerate(parts):   # consumed below: work on copies
+        shutil.copytree(part.parent, tmp_path / f"part{k}")
+        data = json.loads(part.read_text())
+        data["shard_dir"] = str(tmp_path / f"part{k}" / "shards")
+        (tmp_path / f"part{k}" / "manifest.json").write_text(json.dumps(data))
+        manifests.append(tmp_path / f"part{k}" / "manifest.json")
+    tokens = [json.loads(m.read_text())["num_tokens"] for m in manifests]
+    chain = streaming.Chain(partitions=2, epochs=1, in_flight=1)
+    steps, lr = 7, 3e-3
+    cfg = {"block_size": 3, "steps": steps, "samples_per_step": 2, "anchors_per_sample": 4, "lr": lr,
+           "device": "cpu", "mask_token_id": 3}    # the random target has no tokenizer to pick one
+    launch = trainer_command({**TRAIN_DEFAULTS, "device": "cpu"}, sys.executable, DFLASH_TRAINER)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    markers = [tmp_path / "streaming" / streaming.consumed_name(j) for j in range(2)]
+    first = streaming.train_link(0, chain, manifests[0], None, None, stats, None, random_llama_target, cache,
+                                 out / "link-0", cfg, markers[0], launch, method="dflash")
+    second = streaming.train_link(1, chain, manifests[1], manifests[1], markers[0],
+                                  stats, None, random_llama_target, cache, out / "final", cfg, markers[1], launch,
+                                  previous_out_dir=out / "link-0", method="dflash")
+    log = capfd.readouterr().err
+    assert first["step"] == steps * tokens[0] // sum(tokens) and 0 < first["step"] < steps
+    assert second["step"] == steps and second["tokens_done"] == sum(tokens) == stats_tokens(stats)
+    assert f"starting from {first['checkpoint']} (step {first['step']}" in log, log[-3000:]
+    # One history and one schedule: decaying from the peak to 10% of it, on across the links.
+    rows = [json.loads(line) for line in (out / "final" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    lrs = [r["lr"] for r in rows]
+    assert all(b < a for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(0.1 * lr)
+    assert not Path(first["run_dir"]).exists() and not (out / "link-0").exists(), "previous link pruned"
+    assert not [f for k in range(2) for f in (tmp_path / f"part{k}" / "shards").iterdir()], \
+        "consumed shards are deleted"
+    result = json.loads((out / "final" / "eval.json").read_text())
+    assert result["method"] == "dflash" and result["loss"] > 0 and result["steps"] == steps
+
+
 # ---------------------------------------------------------------- the workflow, streamed
 
 PARTITIONS = 3
@@ -245,6 +289,43 @@ def streamed(embedded_workflow, tmp_path_factory):
             "consumed0": consumed0, "extract0_log": extract0_log, "extract0_stamp": extract0_stamp,
             "resumed_step": resumed_step, "output": log1.read_text() + rerun.stdout + rerun.stderr,
             "rerun_output": rerun.stdout + rerun.stderr}
+
+
+@pytest.mark.slow
+def test_a_dflash_draft_trains_from_streamed_partitions_under_the_budget(embedded_workflow, tmp_path):
+    """train.method dflash under a storage budget smaller than the hidden states: the chain
+    an EAGLE-3 draft would get (3 partitions), the DFlash trainer on every link (no
+    vocabulary map), the links' steps ending at dflash.steps, the measured peak under the
+    budget, the draft exported in vLLM's DFlashDraftModel layout."""
+    full = embedded_workflow["workdir"]
+    assert embedded_workflow["result"].returncode == 0
+    stream = tmp_path / "stream"
+    shutil.copytree(full, stream, symlinks=True)
+    for rel in ("cache", "logs", "results/hidden_states", "results/train", "results/draft", "results/plan",
+                "results/benchmarks", "results/eval", "results/report", "results/vocab"):
+        shutil.rmtree(stream / rel, ignore_errors=True)
+    layers = json.loads((full / "results" / "eval" / "summary.json").read_text())["settings"]["aux_layer_ids"]
+    budget = int(embedded_workflow["peak_bytes"] - tree_bytes(full / "cache" / "hidden_states") / PARTITIONS)
+    steps = 60
+    config = embedded_config(tmp_path / "dflash.json", train={"method": "dflash"},
+                             extract={"partitions": PARTITIONS, "aux_layer_ids": layers},
+                             dflash={"block_size": 4, "steps": steps, "samples_per_step": 16},
+                             storage={"max_bytes": budget})
+    result = snakemake(stream, "results/draft/config.json", "results/hidden_states/train/manifest.json",
+                       *embedded_args(config), timeout=1200)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert f"streaming: {PARTITIONS} partitions of the train split" in output, output[-4000:]
+    markers = [json.loads((stream / "results" / "streaming" / streaming.consumed_name(j)).read_text())
+               for j in range(PARTITIONS)]
+    link_steps = [m["step"] for m in markers]
+    assert link_steps == sorted(set(link_steps)) and link_steps[-1] == steps, link_steps
+    assert json.loads((stream / "results" / "train" / "eval.json").read_text())["method"] == "dflash"
+    assert not (stream / "results" / "vocab").exists(), "a DFlash draft reads no vocabulary map"
+    draft = json.loads((stream / "results" / "draft" / "config.json").read_text())
+    assert draft["architectures"] == ["DFlashDraftModel"]
+    assert draft["dflash_config"]["target_layer_ids"] == [k - 1 for k in layers]
+    assert measured_peak(stream) <= budget
 
 
 @pytest.mark.slow

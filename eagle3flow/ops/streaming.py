@@ -11,8 +11,11 @@ partition is a random sample of the topics, not one of them)::
 
 Link j trains partition ``j % N`` in epoch ``j // N`` (several epochs re-extract each
 partition: only the deleted shards are recomputed, the cache fingerprint is the
-same). Training link j starts from link j-1's final checkpoint (``train.py
---init-from``) with the LR schedule of the whole chain (``--schedule-tokens``). The
+same). Training link j starts from link j-1's final checkpoint (``--init-from``) with
+the LR schedule of the whole chain (``--schedule-tokens``): an EAGLE-3 draft's trainer
+(eagle3flow/train/trainer.py) passes once over the partition, a DFlash draft's
+(eagle3flow/train/dflash_train.py, ``--method dflash``) trains its share of
+``dflash.steps`` by the partition's tokens. The
 extraction of link j waits for ``consumed-(j-F).json``, F = the partitions the budget
 holds at once ("in flight", eagle3flow/ops/plan/ derives it), so it runs ahead of
 training by at most F-1 links; on one box extraction and training alternate.
@@ -47,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3flow.atomic import write_json
-from eagle3flow.config import cli_settings, omit_train_defaults
+from eagle3flow.config import TARGET_BORROWED, cli_settings, omit_train_defaults
 from eagle3flow.layout import Layout
 from eagle3flow.extract.manifest_totals import SUMMED_KEYS
 from eagle3flow.extract.shard_plan import plan_partitions, plan_shards
@@ -196,13 +199,15 @@ def log(message: str) -> None:
 
 
 def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Path | None,
-               previous: Path | None, stats: Path, vocab_map: Path, target: Path, cache_root: Path,
+               previous: Path | None, stats: Path, vocab_map: Path | None, target: Path, cache_root: Path,
                out_dir: Path, config: dict, marker: Path, launch: list[str],
-               previous_out_dir: Path | None = None) -> dict:
+               previous_out_dir: Path | None = None, method: str = "eagle3") -> dict:
     """Train link ``link`` of the chain, then consume it (module docstring); returns the marker.
 
     ``launch``: the command that starts the trainer, its arguments added here
     (eagle3flow/train/launch.py trainer_command: this folder does not import train/).
+    ``method``: the draft's kind, ``config`` its trainer's settings (the train section for
+    eagle3, the dflash section for dflash, which reads no ``vocab_map``).
 
     ``out_dir`` gets train.py's outputs (the last link's are the workflow's); the previous
     link's run directory and ``previous_out_dir`` are deleted once this link is consumed.
@@ -228,13 +233,20 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         schedule_tokens = int(split["splits"]["train"]["tokens"]) * chain.epochs
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{stats}: no splits.train.tokens (prepare_dataset's stats)") from None
-    # The chain makes the epochs: each link is one pass over its partition.
-    # The new train keys at their defaults stay off the trainer's command line, as train_draft's.
-    link_config = {**omit_train_defaults(config), "epochs": 1}
-    args = ["--train-manifest", str(train_manifest), "--vocab-map", str(vocab_map), "--target", str(target),
+    if method == "eagle3":
+        if vocab_map is None:
+            raise ValueError("an EAGLE-3 draft's link needs the vocabulary map (--vocab-map)")
+        # The chain makes the epochs: each link is one pass over its partition.
+        # The new train keys at their defaults stay off the trainer's command line, as train_draft's.
+        link_config = {**omit_train_defaults(config), "epochs": 1}
+    else:
+        link_config = dict(config)   # dflash.steps span the chain; the trainer takes the link's share
+    args = ["--train-manifest", str(train_manifest), "--target", str(target),
             "--out-dir", str(out_dir), "--cache-root", str(cache_root),
             "--config-json", json.dumps(link_config, sort_keys=True),
             "--schedule-tokens", str(schedule_tokens), "--data-epoch", str(chain.epoch_of(link))]
+    if vocab_map is not None:
+        args += ["--vocab-map", str(vocab_map)]
     if eval_manifest is not None:
         args += ["--eval-manifest", str(eval_manifest)]
     if init_from is not None:
@@ -346,8 +358,8 @@ def main(argv=None) -> None:
 
     python -m eagle3flow.ops.streaming train-link --link J --partitions N --epochs E --in-flight F \\
         --train-manifest PART.json [--eval-manifest EVAL.json] [--previous consumed-(J-1).json] \\
-        --stats stats.json --vocab-map V --target T --cache-root cache/train --out-dir D \\
-        --config-json '{...}' --marker consumed-J.json -- python -m eagle3flow.train.launch ... --
+        --stats stats.json [--vocab-map V] --target T --cache-root cache/train --out-dir D \\
+        [--method dflash] --config-json '{...}' --marker consumed-J.json -- python -m eagle3flow.train.launch ... --
     """
     parser = argparse.ArgumentParser(prog="python -m eagle3flow.ops.streaming", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -361,12 +373,14 @@ def main(argv=None) -> None:
     p.add_argument("--eval-manifest", default=None)
     p.add_argument("--previous", default=None, help="the previous link's consumed marker")
     p.add_argument("--stats", required=True, help="prepare_dataset's stats.json (the chain's tokens)")
-    p.add_argument("--vocab-map", required=True)
+    p.add_argument("--vocab-map", default=None, help="an EAGLE-3 draft's (a DFlash draft reads none)")
+    p.add_argument("--method", choices=["eagle3", "dflash"], default="eagle3", help="the draft's kind (train.method)")
     p.add_argument("--target", required=True)
     p.add_argument("--cache-root", required=True)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--previous-out-dir", default=None, help="the previous link's out dir, deleted once consumed")
-    p.add_argument("--config-json", default="{}", help="the train section")
+    p.add_argument("--config-json", default="{}", help="the trainer's settings: the train section (dflash: the "
+                   "trainer's --config-json, the dflash section)")
     p.add_argument("--marker", required=True)
     p.add_argument("launch", nargs=argparse.REMAINDER,
                    help="after --: the command that starts the trainer (its arguments are added)")
@@ -382,13 +396,21 @@ def main(argv=None) -> None:
         parser.error(f"--link {args.link}: the chain has links 0..{chain.links - 1}")
     if (args.previous is None) != (args.link == 0):
         parser.error("--previous is required for every link but the first (and only then)")
-    train_settings = cli_settings(parser, "train", args.config_json)
+    if args.method == "eagle3":
+        if args.vocab_map is None:
+            parser.error("--vocab-map is required for an EAGLE-3 draft")
+        settings = cli_settings(parser, "train", args.config_json)
+    else:
+        # Checked here (a bad key fails before training); handed on as given, as train_draft does.
+        cli_settings(parser, "dflash", args.config_json, borrowed=TARGET_BORROWED)
+        settings = json.loads(args.config_json)
     train_link(args.link, chain, Path(args.train_manifest),
                Path(args.eval_manifest) if args.eval_manifest else None,
-               Path(args.previous) if args.previous else None, Path(args.stats), Path(args.vocab_map),
-               Path(args.target), Path(args.cache_root), Path(args.out_dir), train_settings,
+               Path(args.previous) if args.previous else None, Path(args.stats),
+               Path(args.vocab_map) if args.vocab_map else None,
+               Path(args.target), Path(args.cache_root), Path(args.out_dir), settings,
                Path(args.marker), args.launch[1:] if args.launch[:1] == ["--"] else args.launch,
-               Path(args.previous_out_dir) if args.previous_out_dir else None)
+               Path(args.previous_out_dir) if args.previous_out_dir else None, args.method)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,13 @@ on CUDA the step runs under bf16 autocast with fp32 master weights. Under torchr
 (eagle3flow/train/launch.py, train.nproc / one process per GPU) each rank takes a contiguous
 share of every step's samples with the anchors a one-process run draws for them, the loss
 is rescaled to the whole batch's denominator and the gradients summed, so every rank
-applies the one-process update; rank 0 checkpoints, evaluates and writes. Streaming is
-the EAGLE-3 trainer's only (rules/streaming_helpers.smk refuses it with dflash).
+applies the one-process update; rank 0 checkpoints, evaluates and writes.
+
+Streaming partitions (eagle3flow/ops/streaming.py): each link is one run over its
+partition, started from the previous link's final checkpoint (``--init-from``: weights,
+optimizer, schedule, history). ``dflash.steps`` stay the steps of the whole chain, one
+cosine schedule over all of them; a link trains up to its share by tokens,
+``steps x tokens through this link / --schedule-tokens``, so the last one ends at ``steps``.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from eagle3flow.target.config import load_target_config
 from eagle3flow.target.identity import target_digest
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
-from eagle3flow.train.checkpoint import list_checkpoints, save_checkpoint
+from eagle3flow.train.checkpoint import chain_settings, init_state_path, list_checkpoints, save_checkpoint
 from eagle3flow.train.data import to_device
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
@@ -85,13 +90,17 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
                  samples_per_step: int = 8, anchors_per_sample: int = 16, gamma: float | None = None,
                  target: str = "hard", seed: int = 0, log_every: int = 0, checkpoint=None,
                  checkpoint_every: int = 0, resume: dict | None = None, weighting: str = "decay",
-                 dpace_alpha: float = 0.5, ctx: DistContext | None = None) -> list[dict]:
-    """AdamW (cosine decay to 10%) for ``steps`` steps over ``samples``, in a seeded
-    order; returns each step's ``{"step", "loss", ...stats}``. On CUDA (the model's device)
-    under bf16 autocast. ``checkpoint(step, state)`` is called every ``checkpoint_every``
-    steps with everything a resumed run needs; ``resume`` (such a state) continues from it,
-    bitwise on the CPU. ``ctx`` (torchrun): this rank trains its share of each step
-    (module docstring); the checkpoints are rank 0's."""
+                 dpace_alpha: float = 0.5, ctx: DistContext | None = None, stop: int | None = None,
+                 init: dict | None = None) -> list[dict]:
+    """AdamW (cosine decay to 10% over ``steps``) up to step ``stop`` (default ``steps``)
+    over ``samples``, in a seeded order; returns each step's ``{"step", "loss", ...stats}``.
+    On CUDA (the model's device) under bf16 autocast. ``checkpoint(step, state)`` is called
+    every ``checkpoint_every`` steps and at ``stop`` with everything a resumed run needs;
+    ``resume`` (such a state of this run) continues from it, bitwise on the CPU; ``init``
+    (another run's, a streaming chain's previous link) starts from its weights, optimizer,
+    schedule and history, with this run's samples in a fresh order. ``ctx`` (torchrun):
+    this rank trains its share of each step (module docstring); the checkpoints are rank 0's."""
+    stop = steps if stop is None else min(int(stop), steps)
     cfg = model.config
     gamma = default_loss_gamma(cfg.block_size) if gamma is None else gamma
     params = [p for p in model.parameters() if p.requires_grad]
@@ -102,18 +111,26 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
     order: list[int] = []
     history: list[dict] = []
     start = 0
+    if resume is not None or init is not None:
+        state = resume if resume is not None else init
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        history, start = list(state["history"]), int(state["step"])
     if resume is not None:
-        model.load_state_dict(resume["model"], strict=False)
-        optimizer.load_state_dict(resume["optimizer"])
-        schedule.load_state_dict(resume["schedule"])
         generator.set_state(resume["generator"])
-        order, history, start = list(resume["order"]), list(resume["history"]), int(resume["step"])
+        order = list(resume["order"])
     shared = ctx is not None and ctx.enabled
     main = ctx is None or ctx.is_main
-    progress = Progress("train[dflash]", total=steps, unit="steps", done=start,
+
+    def training_state(at: int) -> dict:
+        return {"step": at, "model": model.trainable_state_dict(), "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(), "generator": generator.get_state(), "order": order,
+                "history": history}
+    progress = Progress("train[dflash]", total=stop, unit="steps", done=min(start, stop),
                         stream=None if main else open(os.devnull, "w"))
     model.train()
-    for step in range(start, steps):
+    for step in range(start, stop):
         if len(order) < samples_per_step:
             order += torch.randperm(len(samples), generator=generator).tolist()
         chosen, order = order[:samples_per_step], order[samples_per_step:]
@@ -152,11 +169,12 @@ def train_dflash(model: DFlashDraft, samples: list[dict], steps: int, lr: float 
         if main and log_every and step % log_every == 0:
             print(f"dflash step {step}: loss {history[-1]['loss']:.4f} slot accuracy "
                   f"{[round(a, 3) for a in stats['slot_accuracy']]}", flush=True)
-        if checkpoint is not None and main and checkpoint_every and (step + 1) % checkpoint_every == 0 \
-                and step + 1 < steps:
-            checkpoint(step + 1, {"step": step + 1, "model": model.trainable_state_dict(),
-                                  "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                                  "generator": generator.get_state(), "order": order, "history": history})
+        # The last step's checkpoint too: a chain's next link starts from it, a rerun ends at it.
+        if checkpoint is not None and main and (step + 1 == stop or
+                                                checkpoint_every and (step + 1) % checkpoint_every == 0):
+            checkpoint(step + 1, training_state(step + 1))
+    if checkpoint is not None and main and resume is None and start >= stop:
+        checkpoint(stop, training_state(stop))    # a link with no step of its own still hands on
     progress.close()
     model.eval()
     return history
@@ -295,14 +313,25 @@ def unused_special_tokens(tokenizer, vocab_size: int) -> list[int]:
     return sorted(i for i in special if i not in taken and i < vocab_size)
 
 
-def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: torch.device) -> str:
+def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: torch.device,
+                    chain: dict | None = None) -> str:
     """What determines the trained weights: the settings (less where the checkpoints go and
-    how often), the train split's manifest, the target's identity and the device type."""
+    how often), the train split's manifest, the target's identity, the device type and, for
+    a streaming link, where the chain stands (``chain_settings``)."""
     given = {k: v for k, v in without_unused_dpace_keys(settings).items()
              if k not in ("checkpoint_every", "device", "trust_remote_code")}
     key = {"version": 1, "settings": given, "manifest": shards.sha256_file(train_manifest),
-           "target": target_digest(target), "device": device.type}
+           "target": target_digest(target), "device": device.type, **({"chain": chain} if chain else {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def link_stop(steps: int, start: int, tokens_before: int, link_tokens: int, schedule_tokens: int | None) -> int:
+    """The step a run ends at: ``steps``, or for a streaming link its share by tokens of the
+    chain's (never before where it starts)."""
+    if schedule_tokens is None:
+        return steps
+    through = min(tokens_before + link_tokens, schedule_tokens)
+    return max(start, min(steps, steps * through // schedule_tokens))
 
 
 def main(argv=None) -> None:
@@ -311,22 +340,29 @@ def main(argv=None) -> None:
     (the config's dflash section and target.trust_remote_code). The draft reads the layers
     the manifests hold; checkpoints go to CACHE_ROOT/<fingerprint>/ and a rerun resumes
     from the last. Writes the train dir: draft.safetensors, draft_config.json,
-    metrics.jsonl, eval.json."""
+    metrics.jsonl, eval.json (evaluated where --eval-manifest is given). A streaming link
+    adds ``--init-from CHECKPOINT --schedule-tokens N --data-epoch E`` (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--train-manifest", required=True, help="hidden states of the draft's target layers")
-    parser.add_argument("--eval-manifest", required=True)
+    parser.add_argument("--eval-manifest", default=None, help="evaluated at the end (a streaming chain's last link)")
     parser.add_argument("--target", required=True)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--cache-root", required=True)
     parser.add_argument("--config-json", default="{}")
+    parser.add_argument("--init-from", default=None, help="a streaming link: the previous link's final checkpoint")
+    parser.add_argument("--schedule-tokens", type=int, default=None,
+                        help="a streaming link: the tokens of the whole chain (partitions x epochs)")
+    parser.add_argument("--data-epoch", type=int, default=0, help="a streaming link: its epoch (seeds its order)")
     args = parser.parse_args(argv)
+    if args.schedule_tokens is not None and args.schedule_tokens < 1:
+        parser.error(f"--schedule-tokens must be >= 1, got {args.schedule_tokens}")
     settings = cli_settings(parser, "dflash", args.config_json, borrowed=TARGET_BORROWED)
     limit_cpu_threads()
     target, train_manifest = Path(args.target), Path(args.train_manifest)
     manifests = {name: shards.load_manifest(path) for name, path in
-                 (("train", train_manifest), ("eval", Path(args.eval_manifest)))}
+                 (("train", train_manifest), ("eval", args.eval_manifest)) if path is not None}
     layers = manifests["train"].aux_layer_ids
-    if manifests["eval"].aux_layer_ids != layers:
+    if "eval" in manifests and manifests["eval"].aux_layer_ids != layers:
         raise ValueError(f"{args.eval_manifest}: layers {manifests['eval'].aux_layer_ids}, the train split's "
                          f"{layers}: extract both with the same extract.aux_layer_ids")
     mask = settings["mask_token_id"]
@@ -344,42 +380,58 @@ def main(argv=None) -> None:
 def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manifests: dict, target: Path,
                train_manifest: Path, layers: list[int]) -> None:
     """One process's training (all of it, or its rank's share under torchrun); rank 0
-    evaluates and writes the train dir."""
+    evaluates (where there is an eval split) and writes the train dir."""
     device = ctx.device
     model = build_dflash_draft(target, cfg, settings["seed"]).to(device)
     if not model.embed_tokens.weight[cfg.mask_token_id].any() and ctx.is_main:
         print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
               "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
-    run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device)
+    chain = chain_settings(args.init_from, args.schedule_tokens, args.data_epoch)
+    init = (torch.load(init_state_path(args.init_from), map_location=device, weights_only=False)
+            if args.init_from else None)
+    tokens_before = int(init.get("tokens_done", 0)) if init else 0
+    tokens_done = tokens_before + manifests["train"].num_tokens
+    run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device, chain)
     checkpoints = list_checkpoints(run_dir)
     last = checkpoints[-1][1] if checkpoints else None
     resume = torch.load(last / "state.pt", map_location=device, weights_only=False) if last else None
+    start = int((resume or init or {"step": 0})["step"])
+    stop = link_stop(settings["steps"], start, tokens_before, manifests["train"].num_tokens, args.schedule_tokens)
     if ctx.is_main:
         print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
               f"mask {cfg.mask_token_id}, on {device} x {ctx.world_size} process(es); checkpoints in {run_dir}"
-              + (f"; resuming from {last.name} (step {resume['step']}/{settings['steps']})" if resume else ""),
+              + (f"; resuming from {last.name} (step {resume['step']}/{stop})" if resume else "")
+              + (f"; starting from {Path(args.init_from)} (step {init['step']}, {tokens_before:,} tokens of "
+                 f"the chain trained), this link to step {stop} of {settings['steps']}" if init and not resume else ""),
               file=sys.stderr, flush=True)
     t0 = time.monotonic()
+
+    def checkpoint(step: int, state: dict) -> None:
+        save_checkpoint(run_dir, step, {**state, "tokens_done": tokens_done}, DFLASH_KEEP_CHECKPOINTS)
+
+    # A streaming link's order is its own (seeded by the epoch): its partition's samples only.
+    seed = settings["seed"] + 1_000_003 * args.data_epoch
     history = train_dflash(model, list(manifests["train"].iter_samples()), settings["steps"], settings["lr"],
                            settings["samples_per_step"], settings["anchors_per_sample"], settings["gamma"],
-                           settings["loss_target"], settings["seed"], log_every=max(settings["steps"] // 20, 1),
-                           checkpoint=lambda step, state: save_checkpoint(run_dir, step, state,
-                                                                          DFLASH_KEEP_CHECKPOINTS),
-                           checkpoint_every=settings["checkpoint_every"], resume=resume,
+                           settings["loss_target"], seed, log_every=max(settings["steps"] // 20, 1),
+                           checkpoint=checkpoint, checkpoint_every=settings["checkpoint_every"], resume=resume,
                            weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"],
-                           ctx=ctx)
+                           ctx=ctx, stop=stop, init=init)
     if not ctx.is_main:
         return
-    evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
-                                 settings["gamma"], settings["loss_target"], settings["seed"],
-                                 weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])
     out_dir = Path(args.out_dir)
     save_train_dir(model, out_dir)
     write_jsonl(out_dir / "metrics.jsonl", history)
-    write_json(out_dir / "eval.json", {"method": "dflash", **evaluation, "steps": settings["steps"],
-                                       "train_s_this_run": time.monotonic() - t0})
-    print(f"dflash: eval loss {evaluation['loss']}, slot accuracy "
-          f"{[round(a, 3) for a in evaluation['slot_accuracy'] if a is not None]}", file=sys.stderr)
+    result = {"method": "dflash", "steps": stop, "tokens_done": tokens_done, "chain": chain,
+              "final_checkpoint": str(run_dir / f"step-{stop:08d}"), "train_s_this_run": time.monotonic() - t0}
+    if "eval" in manifests:
+        evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
+                                     settings["gamma"], settings["loss_target"], settings["seed"],
+                                     weighting=settings["position_weighting"], dpace_alpha=settings["dpace_alpha"])
+        result = {"method": "dflash", **evaluation, **{k: v for k, v in result.items() if k != "method"}}
+        print(f"dflash: eval loss {evaluation['loss']}, slot accuracy "
+              f"{[round(a, 3) for a in evaluation['slot_accuracy'] if a is not None]}", file=sys.stderr)
+    write_json(out_dir / "eval.json", result)
 
 
 if __name__ == "__main__":
