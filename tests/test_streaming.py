@@ -181,11 +181,13 @@ def stats_tokens(stats: Path) -> int:
 def test_dflash_links_train_the_chains_steps_on_one_schedule(two_parts, random_llama_target, tmp_path, capfd):
     """train.method dflash, streamed: link 0 trains its share of dflash.steps by its
     partition's tokens, link 1 starts from link 0's final checkpoint and ends at
-    dflash.steps, one cosine schedule over both; each link consumes its partition and no
-    vocabulary map is read."""
+    dflash.steps, one cosine schedule over both, though extraction kept fewer tokens than the
+    dataset's stats count (cut to the model's length); each link consumes its partition and
+    no vocabulary map is read. The last link's job rerun after its consumption (its shards
+    and link 0's checkpoint gone) trains and reads nothing."""
     from eagle3flow.train.launch import DFLASH_TRAINER
 
-    parts, _, stats = two_parts
+    parts, _, _ = two_parts
     manifests = []
     for k, part in enumerate(parts):   # consumed below: work on copies
         shutil.copytree(part.parent, tmp_path / f"part{k}")
@@ -194,6 +196,8 @@ def test_dflash_links_train_the_chains_steps_on_one_schedule(two_parts, random_l
         (tmp_path / f"part{k}" / "manifest.json").write_text(json.dumps(data))
         manifests.append(tmp_path / f"part{k}" / "manifest.json")
     tokens = [json.loads(m.read_text())["num_tokens"] for m in manifests]
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"splits": {"train": {"tokens": sum(tokens) + 40}}}))
     chain = streaming.Chain(partitions=2, epochs=1, in_flight=1)
     steps, lr = 7, 3e-3
     cfg = {"block_size": 3, "steps": steps, "samples_per_step": 2, "anchors_per_sample": 4, "lr": lr,
@@ -207,8 +211,8 @@ def test_dflash_links_train_the_chains_steps_on_one_schedule(two_parts, random_l
                                   stats, None, random_llama_target, cache, out / "final", cfg, markers[1], launch,
                                   previous_out_dir=out / "link-0", method="dflash")
     log = capfd.readouterr().err
-    assert first["step"] == steps * tokens[0] // sum(tokens) and 0 < first["step"] < steps
-    assert second["step"] == steps and second["tokens_done"] == sum(tokens) == stats_tokens(stats)
+    assert first["step"] == steps * tokens[0] // stats_tokens(stats) and 0 < first["step"] < steps
+    assert second["step"] == steps and second["tokens_done"] == sum(tokens) < stats_tokens(stats)
     assert f"starting from {first['checkpoint']} (step {first['step']}" in log, log[-3000:]
     # One history and one schedule: decaying from the peak to 10% of it, on across the links.
     rows = [json.loads(line) for line in (out / "final" / "metrics.jsonl").read_text().splitlines()]
@@ -220,6 +224,10 @@ def test_dflash_links_train_the_chains_steps_on_one_schedule(two_parts, random_l
         "consumed shards are deleted"
     result = json.loads((out / "final" / "eval.json").read_text())
     assert result["method"] == "dflash" and result["loss"] > 0 and result["steps"] == steps
+    again = streaming.train_link(1, chain, manifests[1], manifests[1], markers[0], stats, None, random_llama_target,
+                                 cache, out / "final", cfg, markers[1], launch, previous_out_dir=out / "link-0",
+                                 method="dflash")
+    assert again["step"] == steps and "already finished" in capfd.readouterr().err
 
 
 # ---------------------------------------------------------------- the workflow, streamed

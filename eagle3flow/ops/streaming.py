@@ -131,6 +131,13 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def chain_epochs(config: dict) -> int:
+    """The passes a chain makes over the train split: ``train.epochs`` for an EAGLE-3 draft;
+    one for a DFlash draft, which trains ``dflash.steps`` whatever the EAGLE-3 trainer's
+    epochs say (each partition extracted once)."""
+    return 1 if config["train"]["method"] == "dflash" else int(config["train"]["epochs"])
+
+
 def pinned_chain(config: dict, root: Path) -> Chain | None:
     """The chain a run of this directory started (``results/streaming/chain.json``), if it was
     made for the same partitions and epochs: a chain in progress keeps its shape whatever
@@ -141,8 +148,7 @@ def pinned_chain(config: dict, root: Path) -> Chain | None:
         return None
     chain = Chain(int(data["partitions"]), int(data["epochs"]), int(data["in_flight"]),
                   int(data.get("part_bytes", 0)))
-    if (chain.partitions, chain.epochs) != (int(config["extract"]["partitions"]),
-                                           int(config["train"]["epochs"])):
+    if (chain.partitions, chain.epochs) != (int(config["extract"]["partitions"]), chain_epochs(config)):
         return None
     return chain
 
@@ -249,6 +255,8 @@ def train_link(link: int, chain: Chain, train_manifest: Path, eval_manifest: Pat
         args += ["--vocab-map", str(vocab_map)]
     if eval_manifest is not None:
         args += ["--eval-manifest", str(eval_manifest)]
+    if method == "dflash" and link == chain.links - 1:
+        args += ["--last-link"]      # ends at dflash.steps, whatever extraction cut off
     if init_from is not None:
         args += ["--init-from", init_from]
     log(f"link {link + 1}/{chain.links}: partition {chain.partition_of(link)} "

@@ -15,7 +15,9 @@ Streaming partitions (eagle3flow/ops/streaming.py): each link is one run over it
 partition, started from the previous link's final checkpoint (``--init-from``: weights,
 optimizer, schedule, history). ``dflash.steps`` stay the steps of the whole chain, one
 cosine schedule over all of them; a link trains up to its share by tokens,
-``steps x tokens through this link / --schedule-tokens``, so the last one ends at ``steps``.
+``steps x tokens through this link / --schedule-tokens``, and the last (``--last-link``)
+to ``steps``. A run that finished (``done.json`` of its fingerprint, its outputs in place)
+returns at once: a link's job rerun after its partition was consumed reads no shard.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3flow.atomic import replacing, write_json, write_jsonl
+from eagle3flow.atomic import replacing, sweep_stale_temporaries, write_json, write_jsonl
 from eagle3flow.config import TARGET_BORROWED, cli_settings, without_unused_dpace_keys
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract import shards
@@ -41,7 +43,8 @@ from eagle3flow.target.config import load_target_config
 from eagle3flow.target.identity import target_digest
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
-from eagle3flow.train.checkpoint import chain_settings, init_state_path, list_checkpoints, save_checkpoint
+from eagle3flow.train.checkpoint import (DONE_FILE, chain_settings, finished_result, init_state_path,
+                                         list_checkpoints, save_checkpoint)
 from eagle3flow.train.data import to_device
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
@@ -325,11 +328,13 @@ def run_fingerprint(settings: dict, train_manifest: Path, target: Path, device: 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def link_stop(steps: int, start: int, tokens_before: int, link_tokens: int, schedule_tokens: int | None) -> int:
+def link_stop(steps: int, start: int, tokens_before: int, link_tokens: int, schedule_tokens: int | None,
+              last_link: bool = False) -> int:
     """The step a run ends at: ``steps``, or for a streaming link its share by tokens of the
-    chain's (never before where it starts)."""
-    if schedule_tokens is None:
-        return steps
+    chain's (never before where it starts); the chain's last link ends at ``steps`` whatever
+    extraction's length policy took off the tokens ``schedule_tokens`` counted."""
+    if schedule_tokens is None or last_link:
+        return max(start, steps)
     through = min(tokens_before + link_tokens, schedule_tokens)
     return max(start, min(steps, steps * through // schedule_tokens))
 
@@ -353,6 +358,7 @@ def main(argv=None) -> None:
     parser.add_argument("--schedule-tokens", type=int, default=None,
                         help="a streaming link: the tokens of the whole chain (partitions x epochs)")
     parser.add_argument("--data-epoch", type=int, default=0, help="a streaming link: its epoch (seeds its order)")
+    parser.add_argument("--last-link", action="store_true", help="a streaming link: the chain's last (ends at steps)")
     args = parser.parse_args(argv)
     if args.schedule_tokens is not None and args.schedule_tokens < 1:
         parser.error(f"--schedule-tokens must be >= 1, got {args.schedule_tokens}")
@@ -387,16 +393,33 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
         print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
               "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
     chain = chain_settings(args.init_from, args.schedule_tokens, args.data_epoch)
+    if chain is not None and args.last_link:
+        chain["last_link"] = True
+    fp = run_fingerprint(settings, train_manifest, target, device, chain)
+    run_dir, out_dir = Path(args.cache_root) / fp, Path(args.out_dir)
+    finished = finished_result(run_dir, out_dir, fp)
+    if finished is not None:
+        # A rerun of a finished run (e.g. a link killed after its marker: its shards and the
+        # previous link's checkpoint may be gone): nothing to read, nothing to do.
+        if ctx.is_main:
+            print(f"dflash: already finished in {run_dir} (step {finished['steps']}); nothing to do",
+                  file=sys.stderr, flush=True)
+        return
+    if ctx.is_main:
+        # A checkpoint whose writer was killed: never resumed from; gone before this run saves.
+        for path, size in sweep_stale_temporaries(run_dir) if run_dir.is_dir() else []:
+            print(f"dflash: removed the unfinished checkpoint {path.name} of a killed run ({size / 1e6:,.1f} MB)",
+                  file=sys.stderr)
     init = (torch.load(init_state_path(args.init_from), map_location=device, weights_only=False)
             if args.init_from else None)
     tokens_before = int(init.get("tokens_done", 0)) if init else 0
     tokens_done = tokens_before + manifests["train"].num_tokens
-    run_dir = Path(args.cache_root) / run_fingerprint(settings, train_manifest, target, device, chain)
     checkpoints = list_checkpoints(run_dir)
     last = checkpoints[-1][1] if checkpoints else None
     resume = torch.load(last / "state.pt", map_location=device, weights_only=False) if last else None
     start = int((resume or init or {"step": 0})["step"])
-    stop = link_stop(settings["steps"], start, tokens_before, manifests["train"].num_tokens, args.schedule_tokens)
+    stop = link_stop(settings["steps"], start, tokens_before, manifests["train"].num_tokens, args.schedule_tokens,
+                     args.last_link)
     if ctx.is_main:
         print(f"dflash: {cfg.num_hidden_layers} layer(s), blocks of {cfg.block_size}, target layers {layers}, "
               f"mask {cfg.mask_token_id}, on {device} x {ctx.world_size} process(es); checkpoints in {run_dir}"
@@ -419,10 +442,9 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
                            ctx=ctx, stop=stop, init=init)
     if not ctx.is_main:
         return
-    out_dir = Path(args.out_dir)
     save_train_dir(model, out_dir)
     write_jsonl(out_dir / "metrics.jsonl", history)
-    result = {"method": "dflash", "steps": stop, "tokens_done": tokens_done, "chain": chain,
+    result = {"method": "dflash", "fingerprint": fp, "steps": stop, "tokens_done": tokens_done, "chain": chain,
               "final_checkpoint": str(run_dir / f"step-{stop:08d}"), "train_s_this_run": time.monotonic() - t0}
     if "eval" in manifests:
         evaluation = evaluate_dflash(model, list(manifests["eval"].iter_samples()), settings["anchors_per_sample"],
@@ -432,6 +454,10 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
         print(f"dflash: eval loss {evaluation['loss']}, slot accuracy "
               f"{[round(a, 3) for a in evaluation['slot_accuracy'] if a is not None]}", file=sys.stderr)
     write_json(out_dir / "eval.json", result)
+    # Last: the final checkpoint and the outputs are on disk.
+    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": stop, "tokens_done": tokens_done,
+                                     "checkpoint": result["final_checkpoint"], "out_dir": str(out_dir),
+                                     "finished_at": time.time()})
 
 
 if __name__ == "__main__":

@@ -321,7 +321,7 @@ def _with_streaming(plan: Plan, assemble, proj: dict, config: dict, root: Path, 
         return plan
     w = plan.workload
     per_token = w["hidden_state_bytes_per_token"]
-    n, epochs = int(config["extract"]["partitions"]), int(config["train"]["epochs"])
+    n, epochs = int(config["extract"]["partitions"]), streaming.chain_epochs(config)
     exact = streaming.train_partition_tokens(config, root, target) if n > 1 else None
     shard_tokens = int(config["extract"]["shard_tokens"])
     if exact:
