@@ -11,7 +11,7 @@ if DFLASH:
             DRAFT_FILES,
         params:
             train_dir=lambda wildcards, input: os.path.dirname(input.weights),
-            out_dir=LAYOUT.draft_dir(),
+            out_dir=lambda wildcards, output: os.path.dirname(output[0]),
         log:
             f"{LOGS}/export_draft.log",
         benchmark:
