@@ -14,13 +14,14 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle3flow.atomic import sync_directory, temporary_sibling
+from eagle3flow.atomic import sync_directory, temporary_sibling, write_json
 from eagle3flow.config import omit_train_defaults
 from eagle3flow.extract.shards import Manifest, sha256_file
 from eagle3flow.target.config import load_target_config
@@ -191,6 +192,13 @@ def restore_training_state(state: dict, model: torch.nn.Module, optimizer, sched
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+
+
+def write_done(run_dir: Path, out_dir: Path, fp: str, step: int, tokens_done: int, checkpoint: str) -> None:
+    """``done.json``: this run finished, its final checkpoint and outputs on disk (written last;
+    :func:`finished_result` reads it)."""
+    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": step, "tokens_done": tokens_done,
+                                     "checkpoint": checkpoint, "out_dir": str(out_dir), "finished_at": time.time()})
 
 
 def finished_result(run_dir: Path, out_dir: Path, fp: str) -> dict | None:

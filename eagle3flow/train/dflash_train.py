@@ -43,8 +43,8 @@ from eagle3flow.target.config import load_target_config
 from eagle3flow.target.identity import target_digest
 from eagle3flow.target.tokenizer import load_tokenizer
 from eagle3flow.train.build import checked_target_head
-from eagle3flow.train.checkpoint import (DONE_FILE, chain_settings, finished_result, init_state_path,
-                                         list_checkpoints, save_checkpoint)
+from eagle3flow.train.checkpoint import (chain_settings, finished_result, init_state_path, list_checkpoints,
+                                         save_checkpoint, write_done)
 from eagle3flow.train.data import to_device
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.train.dflash_loss import dflash_loss, sample_anchors
@@ -388,10 +388,6 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
     """One process's training (all of it, or its rank's share under torchrun); rank 0
     evaluates (where there is an eval split) and writes the train dir."""
     device = ctx.device
-    model = build_dflash_draft(target, cfg, settings["seed"]).to(device)
-    if not model.embed_tokens.weight[cfg.mask_token_id].any() and ctx.is_main:
-        print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
-              "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
     chain = chain_settings(args.init_from, args.schedule_tokens, args.data_epoch)
     if chain is not None and args.last_link:
         chain["last_link"] = True
@@ -405,6 +401,10 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
             print(f"dflash: already finished in {run_dir} (step {finished['steps']}); nothing to do",
                   file=sys.stderr, flush=True)
         return
+    model = build_dflash_draft(target, cfg, settings["seed"]).to(device)
+    if not model.embed_tokens.weight[cfg.mask_token_id].any() and ctx.is_main:
+        print(f"dflash: the mask row {cfg.mask_token_id} of the target's embeddings is zero: every masked "
+              "slot enters the first layer alike (only the later layers tell them apart)", file=sys.stderr)
     if ctx.is_main:
         # A checkpoint whose writer was killed: never resumed from; gone before this run saves.
         for path, size in sweep_stale_temporaries(run_dir) if run_dir.is_dir() else []:
@@ -455,9 +455,7 @@ def train_rank(ctx: DistContext, args, settings: dict, cfg: DFlashConfig, manife
               f"{[round(a, 3) for a in evaluation['slot_accuracy'] if a is not None]}", file=sys.stderr)
     write_json(out_dir / "eval.json", result)
     # Last: the final checkpoint and the outputs are on disk.
-    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": stop, "tokens_done": tokens_done,
-                                     "checkpoint": result["final_checkpoint"], "out_dir": str(out_dir),
-                                     "finished_at": time.time()})
+    write_done(run_dir, out_dir, fp, stop, tokens_done, result["final_checkpoint"])
 
 
 if __name__ == "__main__":

@@ -60,9 +60,9 @@ from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_p
 from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.progress import Progress
 from eagle3flow.train.build import build_draft, load_unreachable_head, load_vocab_map
-from eagle3flow.train.checkpoint import (DONE_FILE, RunState, chain_settings, finished_result, fingerprint,
+from eagle3flow.train.checkpoint import (RunState, chain_settings, finished_result, fingerprint,
                                          init_state_path, list_checkpoints, read_state, restore_training_state,
-                                         save_checkpoint, training_state)
+                                         save_checkpoint, training_state, write_done)
 from eagle3flow.train.config import TRAIN_DEFAULTS
 from eagle3flow.train.data import BatchLoader, EpochPlans, ShardData, rank_share
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
@@ -361,9 +361,7 @@ def write_outputs(trainer: Trainer, out_dir: Path, run_dir: Path, fp: str, chain
                     f"{result['decode_acceptance_length']}")
     write_json(out_dir / "eval.json", result)
     # Last: the final checkpoint and the outputs are on disk.
-    write_json(run_dir / DONE_FILE, {"fingerprint": fp, "step": run.step, "tokens_done": run.tokens_done,
-                                     "checkpoint": result["final_checkpoint"],
-                                     "out_dir": str(out_dir), "finished_at": time.time()})
+    write_done(run_dir, out_dir, fp, run.step, run.tokens_done, result["final_checkpoint"])
     return result
 
 
