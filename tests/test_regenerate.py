@@ -406,6 +406,28 @@ def test_fails_early_when_down_or_wrong_model(server, dataset, embedded, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # shares one vLLM server (~25 s to start on 2 idle cores)
+def test_seeded_samples_of_long_prompts_at_once_keep_the_cpu_server_up(server):
+    """Further answers are seeded samples; many long prompts at once make vLLM split a
+    prompt's prefill over steps, and on CPU (float32 here) its engine died rewinding that
+    request's generator ("CPU Generator does not use offset"). The stage's own server
+    prefills whole prompts there: every request is answered and the server stays healthy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i: int) -> dict:
+        body = {"model": SERVED_NAME, "prompt": [(i * 7 + j) % 200 + 10 for j in range(900)], "max_tokens": 4,
+                "temperature": 1.0, "seed": 1000 + i}
+        request = urllib.request.Request(server + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=300).read())
+
+    # 12 x 900 prompt tokens: more than the 8,192 tokens one step takes, so some prompt waits
+    with deadline(300, "twelve seeded 900-token prompts at once"), ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, range(12)))
+    assert all(a["choices"][0]["finish_reason"] in ("length", "stop") for a in answers)
+    assert urllib.request.urlopen(server + "/health", timeout=10).status == 200
+
+
 # ----------------------------------------------------------------------------- the DAG
 
 def test_regenerate_runs_before_any_drain(tmp_path):

@@ -7,6 +7,7 @@ runs an offline engine over token ids instead.) Standard library only.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -42,13 +43,19 @@ def resolve_serve_dtype(dtype: str, python: str | None = None) -> str:
     not the float32 ones evaluation sees."""
     if dtype != "auto":
         return dtype
-    # extract.extraction.resolve_dtype's rule, asked of the server's own interpreter:
-    # this module and its callers stay torch-free.
+    # extract.extraction.resolve_dtype's rule, asked of the server's own interpreter.
+    return "bfloat16" if sees_cuda(python) else "float32"
+
+
+@functools.lru_cache(maxsize=None)
+def sees_cuda(python: str | None = None) -> bool:
+    """Whether the server's interpreter's torch sees a CUDA device (asked of that
+    interpreter: this module and its callers stay torch-free)."""
     probe = subprocess.run([python or sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
         raise ServerError(f"{python or sys.executable} cannot import torch:\n{probe.stderr[-2000:]}")
-    return "bfloat16" if probe.stdout.strip() == "True" else "float32"
+    return probe.stdout.strip() == "True"
 
 
 @contextmanager
@@ -70,6 +77,12 @@ def serve_target(target: str | Path, log_path: str | Path, python: str | None = 
                "--seed", "0", "--enforce-eager", "--disable-uvicorn-access-log"]
     if trust_remote_code:
         command.append("--trust-remote-code")
+    if not sees_cuda(python):
+        # Seeded sampled requests (regenerate's further answers) on CPU: vLLM 0.32 rewinds a
+        # request's generator when it drops the token sampled for a partly prefilled prompt,
+        # which a CPU generator cannot do ("CPU Generator does not use offset") and the engine
+        # dies. Whole prompts only (serving/vllm_runner.py does the same for evaluation).
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
