@@ -39,6 +39,13 @@ Steps (each resumes; ``all`` runs them in order)::
     python benchmarks/quality/run.py --work /tmp/quality evaluate [--variants a,b]
     python benchmarks/quality/run.py --work /tmp/quality summarize
 
+Or with the drafts trained on one GPU (round31.sh; the data and the evaluation stay here)::
+
+    python benchmarks/quality/run.py --work /tmp/quality gpu-data     # WORK/gpu: both variants' splits
+    bash benchmarks/quality/round31.sh GGUF WORK/gpu/default W eagle3flow                  # on the GPU
+    bash benchmarks/quality/round31.sh GGUF WORK/gpu/answers3 W eagle3flow-answers3 '{"epochs": 1}'
+    python benchmarks/quality/run.py --work /tmp/quality evaluate --drafts-from W/keep
+
 Results: ``<work>/summary.json`` and ``<work>/summary.md``; the committed copies are
 ``benchmarks/quality/summary.json`` and the table in ``benchmarks/quality/README.md``.
 """
@@ -109,6 +116,10 @@ def run(command: list, cwd: Path | None = None, env: dict | None = None, log_fil
 
 # ----------------------------------------------------------------------------- the project
 
+DRAFT_TARGETS = ("draft/config.json", "draft/model.safetensors", "hidden_states/eval/manifest.json")
+DATASET_TARGETS = ("dataset/train.parquet", "dataset/eval.parquet")
+
+
 def workflow_dir(work: Path) -> Path:
     """A copy of the workflow with a profile of the benchmark's sizes."""
     wf = work / "workflow"
@@ -120,10 +131,10 @@ def workflow_dir(work: Path) -> Path:
     return wf
 
 
-def project(work: Path, variant: str, changes: dict) -> Path:
-    """The workflow run up to the exported draft, ``changes`` per config section over the
-    benchmark's. Variants of the train section share the cache (the same data); the workflow
-    variant's regeneration is its own (its answers are keyed by its own copy of the target)."""
+def project(work: Path, variant: str, changes: dict, targets: tuple[str, ...] = DRAFT_TARGETS) -> Path:
+    """The workflow run up to ``targets`` (the exported draft), ``changes`` per config section
+    over the benchmark's. Variants of the train section share the cache (the same data); the
+    workflow variant's regeneration is its own (its answers are keyed by its own copy of the target)."""
     wf = workflow_dir(work)
     results = f"results-{variant}" if variant != "default" else "results"
     profile = wf / "bench-profile"
@@ -146,8 +157,7 @@ def project(work: Path, variant: str, changes: dict) -> Path:
         "cores: all\nrerun-incomplete: true\nconfigfile:\n  - profiles/smollm2/workflow.yaml\n"
         f"  - bench-profile/{variant}.yaml\n")
     snakemake = Path(sys.executable).parent / "snakemake"
-    run([snakemake, "--profile", "bench-profile", f"{results}/draft/config.json",
-         f"{results}/draft/model.safetensors", f"{results}/hidden_states/eval/manifest.json"],
+    run([snakemake, "--profile", "bench-profile", *(f"{results}/{t}" for t in targets)],
         cwd=wf, env={"HF_HUB_OFFLINE": "1"}, log_file=work / f"project-{variant}.log")
     return wf / results
 
@@ -266,6 +276,66 @@ def speculators_train(work: Path, results: Path, name: str = "speculators") -> P
         found = sorted(p.name for p in ckpt.iterdir())
         raise SystemExit(f"speculators train finished but {final} is missing (found {found})")
     return final
+
+
+# ----------------------------------------------------------------------------- drafts trained on a GPU
+
+def gpu_data(work: Path) -> Path:
+    """What round31.sh trains from on a GPU machine (the CPU trains a draft in hours there in
+    seconds), in WORK/gpu: each variant's dataset split, the workflow's own from the answers
+    it regenerated here through vLLM, and speculators' prepared rows of the default's train
+    split (its ``prepare-data`` on the pre-tokenized rows; no server: nothing to render)."""
+    out = work / "gpu"
+    for variant, changes in (("default", {}), WORKFLOW_VARIANT):
+        results = project(work, variant, changes, DATASET_TARGETS)
+        (out / variant).mkdir(parents=True, exist_ok=True)
+        for name in DATASET_TARGETS:
+            shutil.copy2(results / name, out / variant / Path(name).name)
+    prepared = out / "default" / "prepared"
+    if not (prepared / "token_freq.pt").is_file():
+        shutil.rmtree(prepared, ignore_errors=True)
+        rows = out / "rows.jsonl"
+        log(f"speculators: {export_rows(out / 'default' / 'train.parquet', rows)} pre-tokenized rows -> {rows}")
+        run([spec_bin("speculators"), "prepare-data", "--model", workflow_dir(work) / "results" / "pretrained" / "target",
+             "--data", rows, "--output", prepared, "--seq-length", SHARED["max_length"],
+             "--num-preprocessing-workers", "1", "--no-skip-token-freq"],
+            env={"HF_HUB_OFFLINE": "1"}, log_file=out / "prepare.log")
+    return out
+
+
+def restore_embedding(checkpoint: Path, target: Path, out: Path) -> None:
+    """A speculators checkpoint round31.sh sent without its embedding (a frozen copy of the
+    target's, checked equal there) with the target's put back, as speculators saved it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    dtype = getattr(torch, json.loads((checkpoint / "stripped.json").read_text())["dtype"].removeprefix("torch."))
+    weights["embed_tokens.weight"] = load_file(target / "model.safetensors")["model.embed_tokens.weight"].to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy2(checkpoint / "config.json", out / "config.json")
+
+
+def gpu_drafts(work: Path, results: Path, keeps: list[Path]) -> dict[str, Path]:
+    """round31.sh's drafts (each ``keep`` folder's subfolders, named as the comparison names
+    them) in the layout vLLM loads: the project's exported with its vocabulary map,
+    speculators' with the embedding put back. The project's defaults first (the evaluation's
+    main draft)."""
+    target = (results / "pretrained" / "target").resolve()
+    drafts = {}
+    for checkpoint in sorted((d for keep in keeps for d in keep.iterdir() if d.is_dir()),
+                             key=lambda d: (d.name != "eagle3flow", d.name)):
+        out = work / "drafts" / checkpoint.name
+        if not (out / "config.json").is_file():
+            if (checkpoint / "draft_config.json").is_file():
+                run([sys.executable, "-m", "eagle3flow.export.checkpoint", "--train-dir", checkpoint,
+                     "--vocab-map", checkpoint / "vocab_map.safetensors", "--target", target, "--out-dir", out],
+                    cwd=REPO, log_file=work / "export.log")
+            else:
+                restore_embedding(checkpoint, target, out)
+        drafts[checkpoint.name] = out
+    return drafts
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -387,8 +457,10 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="default",
                         help="project variants evaluated besides the workflow's (comma-separated; the first "
                              "is the main draft)")
-    parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "evaluate",
-                                         "summarize", "all"])
+    parser.add_argument("--drafts-from", type=Path, action="append", default=[], metavar="KEEP",
+                        help="evaluate: round31.sh's drafts (its WORK/keep; repeatable) instead of training here")
+    parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "gpu-data",
+                                         "evaluate", "summarize", "all"])
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -404,7 +476,13 @@ def main(argv=None) -> int:
     if args.step in ("speculators-train", "all"):
         for name in SPECULATORS_RUNS:
             speculators_train(work, results, name)
-    if args.step in ("evaluate", "all"):
+    if args.step == "gpu-data":
+        gpu_data(work)
+    if args.step == "evaluate" and args.drafts_from:
+        drafts = gpu_drafts(work, results, [k.resolve() for k in args.drafts_from])
+        for k in EVAL["ks"]:
+            evaluate(work, results, drafts, k)
+    elif args.step in ("evaluate", "all"):
         variants = args.variants.split(",")
         if WORKFLOW_VARIANT[0] not in variants:
             variants.append(WORKFLOW_VARIANT[0])
