@@ -64,7 +64,8 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_tokens: int,
     return out
 
 
-def answer_all(model, tokenizer, prompts: list[dict], max_tokens: int, sample=False, temperature=1.0):
+def answer_all(model, tokenizer, prompts: list[dict], max_tokens: int, sample=False, temperature=1.0,
+               batch: int = 192):
     """Each prompt's conversation with every assistant turn answered by the target, turn by turn."""
     convs = [[dict(m) for m in p["messages"]] for p in prompts]
     done = [[] for _ in convs]   # answered messages so far
@@ -81,7 +82,7 @@ def answer_all(model, tokenizer, prompts: list[dict], max_tokens: int, sample=Fa
             cursor[i] = j
             asks.append(i)
         # the conversation so far must end with a user turn; answer it
-        results = generate(model, tokenizer, [done[i] for i in asks], max_tokens, sample, temperature)
+        results = generate(model, tokenizer, [done[i] for i in asks], max_tokens, sample, temperature, batch)
         pending = []
         for i, (_, _, text) in zip(asks, results):
             done[i].append({"role": "assistant", "content": text})
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
                         help="also eval128_t<T> / mt_bench128_t<T>: the answers sampled at T (offline "
                              "acceptance at temperature, ablate.py)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=192, help="conversations per generate call")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
     prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     responses = args.out / "responses.jsonl"
     if not responses.is_file():
-        answered = answer_all(model, tokenizer, prompts, args.max_tokens)
+        answered = answer_all(model, tokenizer, prompts, args.max_tokens, batch=args.batch)
         responses.write_text("".join(json.dumps({"id": p["id"], "messages": m, "finish_reasons": []}) + "\n"
                                      for p, m in zip(prompts, answered)))
     dataset = args.out / "dataset"
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
         for s in range(args.samples):
             torch.manual_seed(1000 + s)
             chosen = [p for p in prompts if p["id"] in train_ids]
-            for p, m in zip(chosen, answer_all(model, tokenizer, chosen, args.max_tokens, True, args.temperature)):
+            for p, m in zip(chosen, answer_all(model, tokenizer, chosen, args.max_tokens, True, args.temperature,
+                                                   args.batch)):
                 extra.append({"id": f"{p['id']}~s{s + 1}", "messages": m})
         extra_path = args.out / "sampled.jsonl"
         extra_path.write_text("".join(json.dumps(r) + "\n" for r in extra))

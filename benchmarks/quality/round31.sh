@@ -1,13 +1,13 @@
 #!/bin/bash
-# Issue 31's drafts trained on one GPU from the CPU benchmark's own data (run.py's workflow: the
-# target's answers regenerated through vLLM, the dataset stage's split): the project's draft (the
-# trainer's defaults at the benchmark's budget, through ablate.py) and, where DATA has speculators'
-# prepared rows, speculators 0.9's two runs (run.py's SPECULATORS_RUNS: its default loss and
-# lk_hybrid) on the same train split, their hidden states written by speculators_gpu_data.py in the
-# project's extraction dtype. Leaves in WORK/keep what run.py's evaluation serves (the speculators
-# checkpoints without the embedding, a frozen copy of the target's, checked equal; run.py puts it back).
+# Issue 31's drafts trained on one GPU (gpu_session.sh runs it there, on the workflow's own split):
+# the project's draft (the trainer's defaults at the benchmark's budget, through ablate.py) and,
+# where DATA has speculators' prepared rows, speculators 0.9's two runs (run.py's SPECULATORS_RUNS:
+# its default loss and lk_hybrid) on the same train split, their hidden states written by
+# speculators_gpu_data.py in the project's extraction dtype. Leaves in WORK/keep what run.py's
+# evaluation serves (the speculators checkpoints without the embedding, a frozen copy of the
+# target's, checked equal; run.py puts it back).
 #   bash benchmarks/quality/round31.sh GGUF DATA WORK NAME [OVERRIDES_JSON]
-# DATA: run.py gpu-data's folder (train.parquet, eval.parquet; prepared/ for the speculators runs).
+# DATA: train.parquet, eval.parquet and, for the speculators runs, prepared/ (its prepare-data's rows).
 # SPECULATORS_SITE: where speculators 0.9 and its dependencies are installed (a --target folder).
 set -euo pipefail
 GGUF=$(realpath "${1:?GGUF}"); DATA=$(realpath "${2:?DATA}"); W=$(realpath -m "${3:?WORK}")

@@ -39,12 +39,14 @@ Steps (each resumes; ``all`` runs them in order)::
     python benchmarks/quality/run.py --work /tmp/quality evaluate [--variants a,b]
     python benchmarks/quality/run.py --work /tmp/quality summarize
 
-Or with the drafts trained on one GPU (round31.sh; the data and the evaluation stay here)::
+Or with the drafts trained on one GPU machine without a package index (the data and the
+evaluation stay here; gpu_session.sh's header says the calls)::
 
-    python benchmarks/quality/run.py --work /tmp/quality gpu-data     # WORK/gpu: both variants' splits
-    bash benchmarks/quality/round31.sh GGUF WORK/gpu/default W eagle3flow                  # on the GPU
-    bash benchmarks/quality/round31.sh GGUF WORK/gpu/answers3 W eagle3flow-answers3 '{"epochs": 1}'
-    python benchmarks/quality/run.py --work /tmp/quality evaluate --drafts-from W/keep
+    python benchmarks/quality/run.py --work /tmp/quality workflow-data   # the default variant's regeneration
+    bash benchmarks/quality/gpu_transfer.sh .gpu-xfer /tmp/quality       # GGUF, wheels, that data: 2 transfers
+    bash benchmarks/quality/gpu_session.sh start /tmp/x                  # there: the four drafts (round31.sh)
+    bash benchmarks/quality/gpu_session.sh collect 300                   # there: the next 4 result parts
+    python benchmarks/quality/run.py --work /tmp/quality evaluate --drafts-from KEEP
 
 Results: ``<work>/summary.json`` and ``<work>/summary.md``; the committed copies are
 ``benchmarks/quality/summary.json`` and the table in ``benchmarks/quality/README.md``.
@@ -280,29 +282,6 @@ def speculators_train(work: Path, results: Path, name: str = "speculators") -> P
 
 # ----------------------------------------------------------------------------- drafts trained on a GPU
 
-def gpu_data(work: Path) -> Path:
-    """What round31.sh trains from on a GPU machine (the CPU trains a draft in hours there in
-    seconds), in WORK/gpu: each variant's dataset split, the workflow's own from the answers
-    it regenerated here through vLLM, and speculators' prepared rows of the default's train
-    split (its ``prepare-data`` on the pre-tokenized rows; no server: nothing to render)."""
-    out = work / "gpu"
-    for variant, changes in (("default", {}), WORKFLOW_VARIANT):
-        results = project(work, variant, changes, DATASET_TARGETS)
-        (out / variant).mkdir(parents=True, exist_ok=True)
-        for name in DATASET_TARGETS:
-            shutil.copy2(results / name, out / variant / Path(name).name)
-    prepared = out / "default" / "prepared"
-    if not (prepared / "token_freq.pt").is_file():
-        shutil.rmtree(prepared, ignore_errors=True)
-        rows = out / "rows.jsonl"
-        log(f"speculators: {export_rows(out / 'default' / 'train.parquet', rows)} pre-tokenized rows -> {rows}")
-        run([spec_bin("speculators"), "prepare-data", "--model", workflow_dir(work) / "results" / "pretrained" / "target",
-             "--data", rows, "--output", prepared, "--seq-length", SHARED["max_length"],
-             "--num-preprocessing-workers", "1", "--no-skip-token-freq"],
-            env={"HF_HUB_OFFLINE": "1"}, log_file=out / "prepare.log")
-    return out
-
-
 def restore_embedding(checkpoint: Path, target: Path, out: Path) -> None:
     """A speculators checkpoint round31.sh sent without its embedding (a frozen copy of the
     target's, checked equal there) with the target's put back, as speculators saved it."""
@@ -459,7 +438,7 @@ def main(argv=None) -> int:
                              "is the main draft)")
     parser.add_argument("--drafts-from", type=Path, action="append", default=[], metavar="KEEP",
                         help="evaluate: round31.sh's drafts (its WORK/keep; repeatable) instead of training here")
-    parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "gpu-data",
+    parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "workflow-data",
                                          "evaluate", "summarize", "all"])
     args = parser.parse_args(argv)
     work = args.work.resolve()
@@ -476,8 +455,8 @@ def main(argv=None) -> int:
     if args.step in ("speculators-train", "all"):
         for name in SPECULATORS_RUNS:
             speculators_train(work, results, name)
-    if args.step == "gpu-data":
-        gpu_data(work)
+    if args.step == "workflow-data":
+        project(work, "default", {}, DATASET_TARGETS)
     if args.step == "evaluate" and args.drafts_from:
         drafts = gpu_drafts(work, results, [k.resolve() for k in args.drafts_from])
         for k in EVAL["ks"]:
