@@ -18,7 +18,8 @@ R=$PWD; W=/tmp/w31; B=/tmp/w31-bundle; P=/tmp/w31-pack; SITE=/tmp/w31-site
 DRAFTS="eagle3flow eagle3flow-answers3 speculators speculators-lk_hybrid"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$R SPECULATORS_SITE=$SITE
 T0=$(date +%s); step() { echo "=== $(( $(date +%s) - T0 ))s $*"; }
-have() { [ -f $W/keep/$1/model.safetensors ] || [ -f $W/keep/$1/draft.safetensors ]; }
+# a draft is whole once round31.sh wrote its last file: stripped.json (speculators), ablate-NAME.json (the project)
+have() { [ -f $W/keep/$1/stripped.json ] || [ -f $W/keep/$1/ablate-$1.json ]; }
 
 pack() {  # one tar per finished draft (and the logs with the first), split in 15 MB parts
   mkdir -p $P/s
