@@ -1,4 +1,10 @@
-"""A fix for the CPU build of vLLM that sampling at temperature with a draft needs.
+"""The fixes for the CPU build of vLLM that seeded sampling needs: whole-prompt prefill
+(every CPU engine or server that samples) and, with a draft, the expand kernel.
+
+vLLM 0.32 rewinds a request's generator when it drops the token sampled for a partly
+prefilled prompt, which a CPU generator cannot do ("CPU Generator does not use offset"),
+and the engine dies: :func:`whole_prompt_prefill` gives the options that prefill every
+prompt in one step, so nothing is dropped.
 
 vLLM 0.32's CPU stand-in for the rejection sampler's ``expand_kernel``
 (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) hands the C++ kernel int64 copies
@@ -15,6 +21,12 @@ a child engine core imports vLLM afresh. The runner's result says whether it app
 This module imports only the standard library at import time (vllm_runner's rule).
 """
 from __future__ import annotations
+
+
+def whole_prompt_prefill(max_model_len: int) -> dict:
+    """Engine options (``LLM(**...)``; the server's flags say the same) under which no
+    prompt is split over steps: chunked prefill off, and one step takes a whole prompt."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(max_model_len), 8192)}
 
 
 def _expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to,

@@ -79,7 +79,7 @@ from pathlib import Path
 from eagle3flow.atomic import write_json
 from eagle3flow.jsonl import iter_jsonl
 from eagle3flow.progress import Progress
-from eagle3flow.serving.vllm_cpu_fixes import fix_expand_kernel
+from eagle3flow.serving.vllm_cpu_fixes import fix_expand_kernel, whole_prompt_prefill
 from eagle3flow.target.config import is_wrapper, load_target_config, read_config_file
 from eagle3flow.target.tokenizer import load_tokenizer
 
@@ -395,12 +395,8 @@ def generate(request: dict) -> dict:
     if any(t <= 0 for t in temperatures):
         raise ValueError(f"vLLM request: temperatures must be > 0 (the greedy run is always "
                          f"made), got {temperatures}")
-    if on_cpu and temperatures:
-        # Seeded requests on CPU: vLLM 0.32 rewinds a request's generator when it drops the
-        # token sampled for a partly prefilled prompt, which a CPU generator cannot do
-        # ("CPU Generator does not use offset"). Whole prompts only, then nothing is dropped.
-        kwargs.update(enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(int(request["max_model_len"]), 8192))
+    if on_cpu and temperatures:   # seeded requests on CPU (vllm_cpu_fixes.py says why)
+        kwargs.update(whole_prompt_prefill(request["max_model_len"]))
     draft_method = draft_note = None
     if spec:
         spec, draft_method, draft_note = draft_sampling(

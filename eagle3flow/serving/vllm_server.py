@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3flow.procfs import signal_on_parent_death
+from eagle3flow.serving.vllm_cpu_fixes import whole_prompt_prefill
 
 SERVED_NAME = "builtin-target"
 
@@ -78,11 +79,9 @@ def serve_target(target: str | Path, log_path: str | Path, python: str | None = 
     if trust_remote_code:
         command.append("--trust-remote-code")
     if not sees_cuda(python):
-        # Seeded sampled requests (regenerate's further answers) on CPU: vLLM 0.32 rewinds a
-        # request's generator when it drops the token sampled for a partly prefilled prompt,
-        # which a CPU generator cannot do ("CPU Generator does not use offset") and the engine
-        # dies. Whole prompts only (serving/vllm_runner.py does the same for evaluation).
-        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
+        # regenerate's further answers are seeded samples (vllm_cpu_fixes.py says why)
+        tokens = whole_prompt_prefill(max_model_len)["max_num_batched_tokens"]
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(tokens)]
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
