@@ -55,6 +55,7 @@ import torch
 from eagle3flow.train.distributed import DistContext, init_distributed, sum_gradients
 from eagle3flow.model.config import DraftConfig
 from eagle3flow.model.draft import Eagle3Draft
+from eagle3flow.model.kernels import ttt_attention
 from eagle3flow.model.flops import OVER_PEAK, PeakFlops, mean_causal_context, train_flops_per_token
 from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.train.loss import scored_rows, ttt_loss
@@ -294,6 +295,8 @@ def main(argv=None) -> int:
                                          args.iters, device, profile=args.profile and first, ctx=ctx,
                                          warm_batch=warm, optimizer=optimizer))
                     case["tokens_per_s"] = ctx.world_size * n / case["step_s_mean"]
+                    if cfg.architecture == "mla" and device.type == "cuda":   # the kernel of MLA's cache attention
+                        case["mla_cache_kernel"] = "cudnn" if ttt_attention._CUDNN_RUNS else "flash (padded)"
                     # Muon's Newton-Schulz products count once per step (model/optimizer_flops.py)
                     case["optimizer_flops_per_step"] = optimizer_flops_per_step(cfg, optimizer)
                     case.update(peak.mfu((n * flops["total"] + case["optimizer_flops_per_step"])

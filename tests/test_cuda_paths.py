@@ -77,19 +77,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,tails", [(8, 2, 64, 0), (8, 2, 64, 3), (4, 4, 112, 2)])
-def test_flash_cache_tail_attention_matches_exact(heads, kv_heads, head_dim, tails):
-    from eagle3flow.model.kernels.ttt_attention import FlashCacheTailAttention, exact_cache_tail_attention
+@pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim,tails,kernel", [
+    (8, 2, 64, 64, 0, "flash"), (8, 2, 64, 64, 3, "flash"), (4, 4, 112, 112, 2, "flash"),
+    # MLA (qk 192 / v 128): values padded for the flash kernel, as they are for cuDNN's
+    (4, 4, 192, 128, 3, "flash"), (4, 4, 192, 128, 3, "cudnn"), (4, 4, 192, 128, 0, "cudnn")])
+def test_flash_cache_tail_attention_matches_exact(heads, kv_heads, head_dim, v_dim, tails, kernel, monkeypatch):
+    from eagle3flow.model.kernels import ttt_attention
 
+    monkeypatch.setattr(ttt_attention, "MLA_CACHE_KERNEL", kernel)
     torch.manual_seed(heads + tails)
     b, t = 3, 333                           # not a multiple of the kernel's tiles
-    shapes = [(b, t, heads, head_dim), (b, t, kv_heads, head_dim), (b, t, kv_heads, head_dim),
-              (tails, b, t, kv_heads, head_dim), (tails, b, t, kv_heads, head_dim)]
+    shapes = [(b, t, heads, head_dim), (b, t, kv_heads, head_dim), (b, t, kv_heads, v_dim),
+              (tails, b, t, kv_heads, head_dim), (tails, b, t, kv_heads, v_dim)]
     inputs = [(torch.randn(s, device="cuda") * 2).to(torch.bfloat16).requires_grad_() for s in shapes]
     reference = [x.detach().double().requires_grad_() for x in inputs]
     scale = head_dim ** -0.5
-    out = FlashCacheTailAttention.apply(*inputs, scale)
-    ref = exact_cache_tail_attention(*reference, scale)
+    out = ttt_attention.cache_tail_attention(*inputs, scale)
+    ref = ttt_attention.exact_cache_tail_attention(*reference, scale)
+    if kernel == "cudnn":
+        assert ttt_attention._CUDNN_RUNS, "cuDNN's kernel did not run (the padded flash one took over)"
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-2
     grad = torch.randn_like(ref)

@@ -64,18 +64,19 @@ for a, b in ((xf.grad, xr.grad), (wf.grad, wr.grad)):
     assert float((a - b).norm() / b.norm()) < 1e-4
 
 # the TTT tail merge and its backward: GQA groups of 3 with head_dim not a power of two,
-# one query head per kv head, and kv heads split over several programs (small tiles)
+# one query head per kv head, kv heads split over several programs (small tiles), and values
+# narrower than queries and keys (MLA: qk 192 / v 128 in the draft)
 from eagle3flow.model.kernels import ttt_attention as ta
-for (b, t, h, g, d, j, tile) in ((2, 5, 6, 2, 12, 3, 4096), (1, 4, 4, 4, 8, 2, 4096),
-                                 (1, 3, 9, 3, 8, 2, 16)):
+for (b, t, h, g, d, dv, j, tile) in ((2, 5, 6, 2, 12, 12, 3, 4096), (1, 4, 4, 4, 8, 8, 2, 4096),
+                                     (1, 3, 9, 3, 8, 8, 2, 16), (1, 4, 4, 4, 12, 8, 3, 4096)):
     ta.TAIL_TILE_ELEMENTS = tile
-    q, out_c = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
+    q, out_c = torch.randn(b, t, h, d), torch.randn(b, t, h, dv)
     lse_c = torch.randn(b, t, h)
-    k_tail, v_tail = torch.randn(j, b, t, g, d), torch.randn(j, b, t, g, d)
+    k_tail, v_tail = torch.randn(j, b, t, g, d), torch.randn(j, b, t, g, dv)
     out, lse = ta.tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, 0.3)
     ref_out, ref_lse = ta.tail_merge_torch(q, out_c, lse_c, k_tail, v_tail, 0.3)
     assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5), (h, g)
-    do, dq = torch.randn(b, t, h, d), torch.randn(b, t, h, d)
+    do, dq = torch.randn(b, t, h, dv), torch.randn(b, t, h, d)
     want = ta.tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, 0.3)
     for got, ref in zip(ta.tail_backward_triton(q, do, out, lse, k_tail, v_tail, dq.clone(), 0.3), want):
         assert torch.allclose(got, ref, atol=1e-5), (h, g, float((got - ref).abs().max()))

@@ -23,9 +23,15 @@ Two implementations of the same function:
   gradient of the joint softmax restricted to the cache keys (the same trick ring attention
   uses to combine blocks); the tail's share of the gradient is computed here. Nothing of
   size ``T x T`` is ever stored. The tail merge and its backward are two Triton kernels
-  (one program per row and kv head, ``j`` keys each), with torch fallbacks.
+  (one program per row and kv head, ``j`` keys each), with torch fallbacks. Values narrower
+  than queries (MLA) go through cuDNN's fused attention instead, whose backward takes the
+  merged output and logsumexp the same way (checked against float32 autograd in
+  tests/test_cuda_paths.py); the flash kernel would need them padded to the query width.
 """
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -48,21 +54,43 @@ def flash_supported(q: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
+# The cache kernel for values narrower than queries (MLA): "cudnn" takes them as they are,
+# "flash" pads them to the query width. On an H100 (benchmarks/README.md) cuDNN runs MLA's
+# qk 192 / v 128 attention at 2.7 ms fwd+bwd against flash's 6.3 ms and the Kimi-shaped draft's
+# step 1.11x faster. EAGLE3FLOW_MLA_CACHE_KERNEL=flash picks the padded flash kernel.
+MLA_CACHE_KERNEL = os.environ.get("EAGLE3FLOW_MLA_CACHE_KERNEL", "cudnn")
+# Whether cuDNN's kernel ran here (None: not tried yet); where it refuses the shapes or the GPU,
+# the padded flash kernel takes over for the rest of the process.
+_CUDNN_RUNS: bool | None = None
+
+
 def cache_tail_attention(q, k0, v0, k_tail, v_tail, scale: float) -> torch.Tensor:
     """Dispatch: the flash path where supported, else the exact float32 path (shapes above).
 
     Values may be narrower than queries and keys (MLA: scores over qk_nope + qk_rope dims,
-    values of v_head_dim): the exact path takes them as they are; the flash path pads
-    them with zeros to the query width and drops the padded output columns, which leaves
-    the result and every gradient the same.
+    values of v_head_dim): the exact path takes them as they are, and so does the cuDNN
+    kernel where :data:`MLA_CACHE_KERNEL` picks it; the flash kernel gets them padded with
+    zeros to the query width and the padded output columns are dropped, which leaves the
+    result and every gradient the same.
     """
+    global _CUDNN_RUNS
     if flash_supported(q):
         dv, d = v0.shape[-1], q.shape[-1]
+        if dv != d and MLA_CACHE_KERNEL == "cudnn" and _CUDNN_RUNS is not False:
+            try:
+                out = FlashCacheTailAttention.apply(q, k0, v0, k_tail, v_tail, scale, "cudnn")
+                _CUDNN_RUNS = True
+                return out
+            except RuntimeError as e:
+                if _CUDNN_RUNS:
+                    raise
+                _CUDNN_RUNS = False
+                warnings.warn(f"cuDNN attention refused MLA's shapes here ({e}); values padded for flash")
         if dv != d:
             pad = (0, d - dv)
-            out = FlashCacheTailAttention.apply(q, k0, F.pad(v0, pad), k_tail, F.pad(v_tail, pad), scale)
+            out = FlashCacheTailAttention.apply(q, k0, F.pad(v0, pad), k_tail, F.pad(v_tail, pad), scale, "flash")
             return out[..., :dv]
-        return FlashCacheTailAttention.apply(q, k0, v0, k_tail, v_tail, scale)
+        return FlashCacheTailAttention.apply(q, k0, v0, k_tail, v_tail, scale, "flash")
     return exact_cache_tail_attention(q, k0, v0, k_tail, v_tail, scale)
 
 
@@ -108,6 +136,52 @@ def _flash_forward(q, k, v, scale):
     return res, repeat
 
 
+class _Flash:
+    """The cache part through PyTorch's flash kernel (``v`` as wide as ``q``)."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        """``out [B, T, h, dv]``, ``lse [B, h, T]`` float32, and what :meth:`backward` needs."""
+        (out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _), repeated = _flash_forward(q, k, v, scale)
+        return out.transpose(1, 2), lse, ((cu_q, cu_k, seed, offset), (max_q, max_k, repeated))
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, scale, tensors, meta):
+        """``[B, h, T, *]`` views in; the kernel rebuilds P from the (merged) ``out``/``lse``."""
+        cu_q, cu_k, seed, offset = tensors
+        max_q, max_k, _ = meta
+        return _aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+
+
+class _Cudnn:
+    """The cache part through cuDNN's fused attention, which takes values narrower than
+    queries (MLA) and, like flash, rebuilds P from the output and logsumexp it is given."""
+
+    @staticmethod
+    def forward(q, k, v, scale):
+        groups = q.shape[2] // k.shape[2]
+        repeated = groups > 1
+        if repeated:
+            k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+        out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)
+        shape = tuple(lse.shape)
+        return out.transpose(1, 2), lse.reshape(shape[:3]), ((cu_q, cu_k, seed, offset),
+                                                              (max_q, max_k, repeated, shape))
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, scale, tensors, meta):
+        cu_q, cu_k, seed, offset = tensors
+        max_q, max_k, _, shape = meta
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, out, lse.reshape(shape), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, True,
+            scale=scale)
+
+
+_CACHE_KERNELS = {"flash": _Flash, "cudnn": _Cudnn}
+
+
 def _tail_bmm_layout(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``[B, T, h, d]`` -> ``[B*T*g, groups, d]`` (query heads grouped by their kv head)."""
     b, t, h, d = x.shape
@@ -125,18 +199,18 @@ def _tails_bmm_layout(x: torch.Tensor) -> torch.Tensor:
 # float32, ``k_tail, v_tail [j, B, T, g, d]``, all contiguous.
 
 def tail_merge_torch(q, out_c, lse_c, k_tail, v_tail, scale):
-    b, t, h, d = q.shape
+    b, t, h, _ = q.shape
     g = k_tail.shape[3]
     groups = h // g
     qg = _tail_bmm_layout(q, groups).float()                          # [BTg, groups, d]
     kt = _tails_bmm_layout(k_tail).float()                             # [BTg, j, d]
-    vt = _tails_bmm_layout(v_tail).float()
+    vt = _tails_bmm_layout(v_tail).float()                             # [BTg, j, dv]
     s = torch.bmm(qg, kt.transpose(1, 2)) * scale                       # [BTg, groups, j]
     lse_cg = lse_c.reshape(b * t * g, groups, 1)
     lse_g = torch.logaddexp(lse_cg, torch.logsumexp(s, dim=-1, keepdim=True))
     out_g = torch.exp(lse_cg - lse_g) * _tail_bmm_layout(out_c, groups).float() \
         + torch.bmm(torch.exp(s - lse_g), vt)
-    return out_g.to(q.dtype).view(b, t, h, d), lse_g.view(b, t, h)
+    return out_g.to(q.dtype).view(b, t, h, out_c.shape[-1]), lse_g.view(b, t, h)
 
 
 def tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, scale):
@@ -144,7 +218,7 @@ def tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, scale):
     j, g = k_tail.shape[0], k_tail.shape[3]
     groups = h // g
     qg = _tail_bmm_layout(q, groups).float()
-    dog = _tail_bmm_layout(do, groups).float()
+    dog = _tail_bmm_layout(do, groups).float()                          # [BTg, groups, dv]
     kt = _tails_bmm_layout(k_tail).float()
     vt = _tails_bmm_layout(v_tail).float()
     probs = torch.exp(torch.bmm(qg, kt.transpose(1, 2)) * scale - lse.reshape(b * t * g, groups, 1))
@@ -152,8 +226,8 @@ def tail_backward_torch(q, do, out, lse, k_tail, v_tail, dq, scale):
     ds = probs * (torch.bmm(dog, vt.transpose(1, 2)) - delta) * scale   # [BTg, groups, j]
     dq = (dq.float() + torch.bmm(ds, kt).view(b, t, h, d)).to(q.dtype)
 
-    def unbmm(x):
-        return x.view(b, t, g, j, d).permute(3, 0, 1, 2, 4).to(k_tail.dtype)
+    def unbmm(x):                                                       # [BTg, j, *] -> [j, B, T, g, *]
+        return x.view(b, t, g, j, x.shape[-1]).permute(3, 0, 1, 2, 4).to(k_tail.dtype)
     return dq, unbmm(torch.bmm(ds.transpose(1, 2), qg)), unbmm(torch.bmm(probs.transpose(1, 2), dog))
 
 
@@ -178,20 +252,22 @@ if triton is not None:
         return q_offs, q_mask, row * (KVH * G) + head, head_mask, kv_offs, kv_mask
 
     @triton.jit
-    def _tail_fwd_kernel(q_ptr, oc_ptr, lsec_ptr, kt_ptr, vt_ptr, out_ptr, lse_ptr, J, tail_stride,
-                         scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
-        # one pass of online softmax over the J tail keys, starting from the cache part
+    def _tail_fwd_kernel(q_ptr, oc_ptr, lsec_ptr, kt_ptr, vt_ptr, out_ptr, lse_ptr, J, k_stride, v_stride,
+                         scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        # one pass of online softmax over the J tail keys, starting from the cache part; queries
+        # and keys are D wide, values and outputs DV (MLA: DV < D)
         row = tl.program_id(0).to(tl.int64)
-        q_offs, q_mask, h_offs, h_mask, kv_offs, kv_mask = _tail_tile(
+        q_offs, q_mask, h_offs, h_mask, k_offs, k_mask = _tail_tile(
             row, tl.program_id(1), KVH, G, D, BKV, BG, BD)
+        o_offs, o_mask, _, _, v_offs, v_mask = _tail_tile(row, tl.program_id(1), KVH, G, DV, BKV, BG, BDV)
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)     # [BKV, BG, BD]
         m = tl.load(lsec_ptr + h_offs, mask=h_mask, other=0.0)                  # [BKV, BG]
         total = tl.full(m.shape, 1.0, tl.float32)
-        acc = tl.load(oc_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
+        acc = tl.load(oc_ptr + o_offs, mask=o_mask, other=0.0).to(tl.float32)  # [BKV, BG, BDV]
         for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(vt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            k = tl.load(kt_ptr + jj * k_stride + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+            v = tl.load(vt_ptr + jj * v_stride + v_offs, mask=v_mask, other=0.0).to(tl.float32)
             s = tl.sum(q * k[:, None, :], axis=2) * scale
             m_new = tl.maximum(m, s)
             alpha = tl.exp(m - m_new)
@@ -199,31 +275,33 @@ if triton is not None:
             total = total * alpha + p
             acc = acc * alpha[:, :, None] + p[:, :, None] * v[:, None, :]
             m = m_new
-        tl.store(out_ptr + q_offs, (acc / total[:, :, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_ptr + o_offs, (acc / total[:, :, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
         tl.store(lse_ptr + h_offs, m + tl.log(total), mask=h_mask)
 
     @triton.jit
     def _tail_bwd_kernel(q_ptr, do_ptr, out_ptr, lse_ptr, kt_ptr, vt_ptr, dq_ptr, dkt_ptr, dvt_ptr,
-                         J, tail_stride, scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+                         J, k_stride, v_stride, scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         DV: tl.constexpr, BKV: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+                         BDV: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        q_offs, q_mask, h_offs, h_mask, kv_offs, kv_mask = _tail_tile(
+        q_offs, q_mask, h_offs, h_mask, k_offs, k_mask = _tail_tile(
             row, tl.program_id(1), KVH, G, D, BKV, BG, BD)
+        o_offs, o_mask, _, _, v_offs, v_mask = _tail_tile(row, tl.program_id(1), KVH, G, DV, BKV, BG, BDV)
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
-        do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
-        delta = tl.sum(do * tl.load(out_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32), axis=2)
+        do = tl.load(do_ptr + o_offs, mask=o_mask, other=0.0).to(tl.float32)
+        delta = tl.sum(do * tl.load(out_ptr + o_offs, mask=o_mask, other=0.0).to(tl.float32), axis=2)
         lse = tl.load(lse_ptr + h_offs, mask=h_mask, other=0.0)
         dq = tl.load(dq_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
         for jj in range(0, J):
-            k = tl.load(kt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(vt_ptr + jj * tail_stride + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            k = tl.load(kt_ptr + jj * k_stride + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+            v = tl.load(vt_ptr + jj * v_stride + v_offs, mask=v_mask, other=0.0).to(tl.float32)
             p = tl.where(h_mask, tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse), 0.0)
             ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta) * scale          # [BKV, BG]
             dq += ds[:, :, None] * k[:, None, :]
-            tl.store(dkt_ptr + jj * tail_stride + kv_offs,
-                     tl.sum(ds[:, :, None] * q, axis=1).to(dkt_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(dvt_ptr + jj * tail_stride + kv_offs,
-                     tl.sum(p[:, :, None] * do, axis=1).to(dvt_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dkt_ptr + jj * k_stride + k_offs,
+                     tl.sum(ds[:, :, None] * q, axis=1).to(dkt_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(dvt_ptr + jj * v_stride + v_offs,
+                     tl.sum(p[:, :, None] * do, axis=1).to(dvt_ptr.dtype.element_ty), mask=v_mask)
         tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -233,32 +311,32 @@ TAIL_TILE_ELEMENTS = 4096
 TAIL_NUM_WARPS = 4
 
 
-def _kernel_meta(q, k_tail):
+def _kernel_meta(q, k_tail, v_tail):
     """Grid ``(rows, kv-head blocks)`` and the constexprs: each program takes one row and
     as many kv heads (with their query heads) as fit ``TAIL_TILE_ELEMENTS``."""
     b, t, h, d = q.shape
-    g = k_tail.shape[3]
-    bg, bd = triton.next_power_of_2(h // g), triton.next_power_of_2(d)
+    g, dv = k_tail.shape[3], v_tail.shape[-1]
+    bg, bd, bdv = triton.next_power_of_2(h // g), triton.next_power_of_2(d), triton.next_power_of_2(dv)
     bkv = min(triton.next_power_of_2(g), max(1, TAIL_TILE_ELEMENTS // (bg * bd)))
-    return (b * t, triton.cdiv(g, bkv)), dict(KVH=g, G=h // g, D=d, BKV=bkv, BG=bg, BD=bd,
+    return (b * t, triton.cdiv(g, bkv)), dict(KVH=g, G=h // g, D=d, DV=dv, BKV=bkv, BG=bg, BD=bd, BDV=bdv,
                                                num_warps=TAIL_NUM_WARPS)
 
 
 def tail_merge_triton(q, out_c, lse_c, k_tail, v_tail, scale):
-    out = torch.empty_like(q)
+    out = torch.empty_like(out_c)
     lse = torch.empty_like(lse_c)
-    grid, meta = _kernel_meta(q, k_tail)
+    grid, meta = _kernel_meta(q, k_tail, v_tail)
     _tail_fwd_kernel[grid](q, out_c, lse_c, k_tail, v_tail, out, lse, k_tail.shape[0],
-                           k_tail[0].numel(), float(scale), **meta)
+                           k_tail[0].numel(), v_tail[0].numel(), float(scale), **meta)
     return out, lse
 
 
 def tail_backward_triton(q, do, out, lse, k_tail, v_tail, dq, scale):
     """As :func:`tail_backward_torch`, but ``dq`` (contiguous) is updated in place."""
     dk, dv = torch.empty_like(k_tail), torch.empty_like(v_tail)
-    grid, meta = _kernel_meta(q, k_tail)
+    grid, meta = _kernel_meta(q, k_tail, v_tail)
     _tail_bwd_kernel[grid](q, do, out, lse, k_tail, v_tail, dq, dk, dv, k_tail.shape[0],
-                           k_tail[0].numel(), float(scale), **meta)
+                           k_tail[0].numel(), v_tail[0].numel(), float(scale), **meta)
     return dq, dk, dv
 
 
@@ -268,14 +346,13 @@ def _tail_impl():
 
 
 class FlashCacheTailAttention(torch.autograd.Function):
-    """See the module docstring. Inputs as :func:`cache_tail_attention`."""
+    """See the module docstring. Inputs as :func:`cache_tail_attention`, and the cache
+    kernel (``"flash"``, or ``"cudnn"`` for values narrower than queries)."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, k_tail, v_tail, scale):
+    def forward(ctx, q, k0, v0, k_tail, v_tail, scale, kernel="flash"):
         q, k_tail, v_tail = q.contiguous(), k_tail.contiguous(), v_tail.contiguous()
-        (out_c, lse_c, cu_q, cu_k, max_q, max_k, seed, offset, _), repeated = \
-            _flash_forward(q, k0, v0, scale)
-        out_c = out_c.transpose(1, 2)                                # [B, T, h, d]
+        out_c, lse_c, (tensors, meta) = _CACHE_KERNELS[kernel].forward(q, k0, v0, scale)   # [B, T, h, dv]
         if k_tail.shape[0] == 0:
             out, lse = out_c, lse_c
         else:
@@ -283,30 +360,31 @@ class FlashCacheTailAttention(torch.autograd.Function):
             out, lse = merge(q, out_c.contiguous(), lse_c.float().transpose(1, 2).contiguous(),
                              k_tail, v_tail, scale)
             lse = lse.transpose(1, 2).contiguous()                   # [B, h, T] for the kernel
-        ctx.save_for_backward(q, k0, v0, k_tail, v_tail, out, lse, cu_q, cu_k, seed, offset)
-        ctx.meta = (scale, max_q, max_k, repeated)
+        ctx.save_for_backward(q, k0, v0, k_tail, v_tail, out, lse, *tensors)
+        ctx.meta = (scale, kernel, meta)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, k_tail, v_tail, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
-        scale, max_q, max_k, repeated = ctx.meta
+        q, k0, v0, k_tail, v_tail, out, lse, *tensors = ctx.saved_tensors
+        scale, kernel, meta = ctx.meta
         b, t, h, d = q.shape
-        g = k0.shape[2]
+        g, dv_width = k0.shape[2], v0.shape[-1]
         groups = h // g
+        repeated = meta[2]
         grad_out = grad_out.contiguous()
         k, v = (k0.repeat_interleave(groups, 2), v0.repeat_interleave(groups, 2)) if repeated else (k0, v0)
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = _CACHE_KERNELS[kernel].backward(
             grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            out.transpose(1, 2), lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)   # [B, T, *, d]
+            out.transpose(1, 2), lse, scale, tensors, meta)[:3]
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)   # [B, T, *, d | dv]
         if repeated:
             dk = dk.reshape(b, t, g, groups, d).sum(3)
-            dv = dv.reshape(b, t, g, groups, d).sum(3)
+            dv = dv.reshape(b, t, g, groups, dv_width).sum(3)
         if k_tail.shape[0] == 0:
-            return dq, dk, dv, None, None, None
+            return dq, dk, dv, None, None, None, None
         _, tail_backward = _tail_impl()
         dq, dk_tail, dv_tail = tail_backward(q, grad_out, out.contiguous(),
                                              lse.transpose(1, 2).contiguous(), k_tail, v_tail,
                                              dq.contiguous(), scale)
-        return dq, dk, dv, dk_tail, dv_tail, None
+        return dq, dk, dv, dk_tail, dv_tail, None, None
