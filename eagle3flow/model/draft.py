@@ -286,19 +286,21 @@ def mla_pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w: dict[str, t
     ``x = cat[input_layernorm(e), hidden_norm(h)]``; the query ``q_b(norm(q_a x))`` (or
     ``q_proj x``), its last ``qk_rope`` dims rotated; ``kv_a x`` = the ``kv_lora`` latent
     (normed, then up-projected by ``kv_b`` into each head's no-rope key part and value)
-    and one rotated rope key shared by every head.
+    and one rotated rope key shared by every head. The products of ``x`` (``q_a`` or ``q``,
+    and ``kv_a``) are one GEMM over stacked weights with the norms' weights folded into their
+    embedding and hidden column halves (``w["embed"]``, ``w["hidden"]``), as
+    :func:`pre_attention` does: the backward skips the frozen embeddings' input gradient.
     """
     n = hidden.shape[0]
-    x = torch.cat([rms_normalize(embeds, eps) * w["input_norm"], rms_normalize(hidden, eps) * w["hidden_norm"]], -1)
+    first = torch.addmm(F.linear(rms_normalize(embeds, eps), w["embed"]), rms_normalize(hidden, eps),
+                        w["hidden"].t())
+    q, kv_a = first.split([first.shape[-1] - kv_lora - qk_rope, kv_lora + qk_rope], dim=-1)
     if "q_b" in w:
-        q = F.linear(rms_normalize(F.linear(x, w["q_a"]), eps) * w["q_a_norm"], w["q_b"])
-    else:
-        q = F.linear(x, w["q"])
-    q = q.view(n, heads, qk_nope + qk_rope)
+        q = F.linear(rms_normalize(q, eps) * w["q_a_norm"], w["q_b"])
+    q = q.reshape(n, heads, qk_nope + qk_rope)
     q = torch.cat([q[..., :qk_nope], apply_rope_interleaved(q[..., qk_nope:], cos, sin)], -1)
-    kv_a = F.linear(x, w["kv_a"])
     latent = rms_normalize(kv_a[:, :kv_lora], eps) * w["kv_a_norm"]
-    k_rope = apply_rope_interleaved(kv_a[:, kv_lora:].view(n, 1, qk_rope), cos, sin)
+    k_rope = apply_rope_interleaved(kv_a[:, kv_lora:].reshape(n, 1, qk_rope), cos, sin)
     kv = F.linear(latent, w["kv_b"]).view(n, heads, qk_nope + v_dim)
     k = torch.cat([kv[..., :qk_nope], k_rope.expand(n, heads, qk_rope)], -1)
     return q, k, kv[..., qk_nope:]
@@ -307,13 +309,15 @@ def mla_pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w: dict[str, t
 _COMPILED: dict[str, object] = {}
 
 
-def compiled_step_parts():
-    """``pre_attention`` / ``post_attention`` through torch.compile (fused element-wise work)."""
+def compiled_step_parts(architecture: str = "llama"):
+    """The architecture's pre-attention (``pre_attention`` or ``mla_pre_attention``) and
+    ``post_attention`` through torch.compile (fused element-wise work)."""
     if not _COMPILED:
         # default dynamic=None: static first, one dynamic recompile when the row count changes
-        _COMPILED["pre"] = torch.compile(pre_attention)
+        _COMPILED["llama"] = torch.compile(pre_attention)
+        _COMPILED["mla"] = torch.compile(mla_pre_attention)
         _COMPILED["post"] = torch.compile(post_attention)
-    return _COMPILED["pre"], _COMPILED["post"]
+    return _COMPILED[architecture], _COMPILED["post"]
 
 
 def compute_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
@@ -381,13 +385,13 @@ class Eagle3Draft(nn.Module):
             "w_final_norm": self.norm.weight.to(dtype),
         }
         if self.config.architecture == "mla":
-            mla = {"input_norm": layer.input_layernorm.weight, "hidden_norm": layer.hidden_norm.weight,
-                   "kv_a": attn.kv_a_proj_with_mqa.weight, "kv_a_norm": attn.kv_a_layernorm.weight,
-                   "kv_b": attn.kv_b_proj.weight}
+            query = attn.q_a_proj.weight if self.config.q_lora_rank else attn.q_proj.weight
+            first = torch.cat([query, attn.kv_a_proj_with_mqa.weight]).to(dtype)
+            mla = {"embed": first[:, :hid] * layer.input_layernorm.weight.to(dtype),
+                   "hidden": first[:, hid:] * layer.hidden_norm.weight.to(dtype),
+                   "kv_a_norm": attn.kv_a_layernorm.weight, "kv_b": attn.kv_b_proj.weight}
             if self.config.q_lora_rank:
-                mla.update(q_a=attn.q_a_proj.weight, q_a_norm=attn.q_a_layernorm.weight, q_b=attn.q_b_proj.weight)
-            else:
-                mla["q"] = attn.q_proj.weight
+                mla.update(q_a_norm=attn.q_a_layernorm.weight, q_b=attn.q_b_proj.weight)
             weights["mla"] = {k: v.to(dtype) for k, v in mla.items()}
             return weights
         w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
@@ -444,14 +448,14 @@ class Eagle3Draft(nn.Module):
         compile_steps = getattr(self, "compile_steps", None)
         if compile_steps is None:
             compile_steps = aux.is_cuda
-        pre, post = compiled_step_parts() if compile_steps else (pre_attention, post_attention)
+        pre, post = compiled_step_parts(cfg.architecture) if compile_steps else \
+            (mla_pre_attention if cfg.architecture == "mla" else pre_attention, post_attention)
         if cfg.architecture == "mla":
-            mla = weights["mla"]
+            mla, mla_pre = weights["mla"], pre
 
             def pre(embeds, hidden, _w_embed, _w_hidden, cos, sin, eps, *_heads):
-                return mla_pre_attention(embeds, hidden, mla, cos, sin, eps, cfg.num_attention_heads,
-                                         cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                         cfg.kv_lora_rank)
+                return mla_pre(embeds, hidden, mla, cos, sin, eps, cfg.num_attention_heads,
+                               cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         hidden = F.linear(self.fc_input(aux.to(dtype)), self.fc.weight.to(dtype))
         hidden_norm = self.midlayer.hidden_norm.weight.to(dtype)
         rows = torch.arange(n, device=input_ids.device)

@@ -10,18 +10,17 @@ softmax, the optimizer) is not counted. A weight's product over a row costs
 ``2 * fan_in * fan_out`` forward; its backward computes the weight's gradient (as much
 again) and the input's gradient only where the input needs one, which is not the case for
 
-* the frozen embeddings' half of the Llama layer's q/k/v product (the input norm's weight
-  is folded into that product's weight, so its gradient comes from the weight's);
+* the frozen embeddings' half of the layer's first products (the Llama layer's q/k/v, MLA's
+  q_a (or q) and kv_a, stacked): the input norm's weight is folded into that half of the
+  weight, so its gradient comes from the weight's;
 * fc's aux states, unless a trainable norm (``norm_before_fc``, ``fc_norm``) reads them first.
-
-MLA's projections read ``cat[input_norm(e), hidden_norm(h)]`` as a whole, so each needs its
-input gradient, embedding half included (for ``input_layernorm``'s weight).
 
 The draft's lm_head runs only on the rows a step scores (loss.py), and the teacher head
 (the target lm_head's ``t2d`` rows) on every row, forward only: it has no gradient.
 Attention counts ``QK^T`` and ``PV`` over the keys a row attends (its causal prefix,
 ``mean_context`` on average, plus ``j`` chain entries at step ``j``), the useful work: the
-flash kernel's skipped blocks and MLA's values padded to the query width on CUDA are not.
+flash kernel's skipped blocks (and MLA's values padded to the query width where the padded
+flash kernel runs them instead of cuDNN's) are not.
 Muon's Newton-Schulz products are the optimizer's, once per optimizer step whatever the
 batch: eagle3flow/model/optimizer_flops.py counts them apart (the MFU the trainer prints adds
 them).
@@ -57,10 +56,10 @@ def layer_products(cfg) -> dict[str, Product]:
            "down_proj": Product(cfg.intermediate_size, hidden)}
     if cfg.architecture == "mla":
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        query = ({"q_a_proj": Product(two_h, cfg.q_lora_rank), "q_b_proj": Product(cfg.q_lora_rank, heads * qk)}
-                 if cfg.q_lora_rank else {"q_proj": Product(two_h, heads * qk)})
-        return {**query,
-                "kv_a_proj_with_mqa": Product(two_h, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+        first = (cfg.q_lora_rank or heads * qk) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        query = {"q_b_proj": Product(cfg.q_lora_rank, heads * qk)} if cfg.q_lora_rank else {}
+        return {"q_a_proj|q_proj + kv_a_proj_with_mqa (embeddings)": Product(hidden, first, input_grad=False),
+                "q_a_proj|q_proj + kv_a_proj_with_mqa (hidden)": Product(hidden, first), **query,
                 "kv_b_proj": Product(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
                 "o_proj": Product(heads * cfg.v_head_dim, hidden), **mlp}
     qkv = (heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
