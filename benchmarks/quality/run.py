@@ -438,6 +438,8 @@ def main(argv=None) -> int:
                              "is the main draft)")
     parser.add_argument("--drafts-from", type=Path, action="append", default=[], metavar="KEEP",
                         help="evaluate: round31.sh's drafts (its WORK/keep; repeatable) instead of training here")
+    parser.add_argument("--ks", type=lambda v: [int(k) for k in v.split(",")], default=EVAL["ks"],
+                        help="evaluate: these K only (comma-separated; summarize reads every K's summary)")
     parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "workflow-data",
                                          "evaluate", "summarize", "all"])
     args = parser.parse_args(argv)
@@ -459,7 +461,7 @@ def main(argv=None) -> int:
         project(work, "default", {}, DATASET_TARGETS)
     if args.step == "evaluate" and args.drafts_from:
         drafts = gpu_drafts(work, results, [k.resolve() for k in args.drafts_from])
-        for k in EVAL["ks"]:
+        for k in args.ks:
             evaluate(work, results, drafts, k)
     elif args.step in ("evaluate", "all"):
         variants = args.variants.split(",")
@@ -468,7 +470,7 @@ def main(argv=None) -> int:
         drafts = {("eagle3flow" if v == "default" else f"eagle3flow-{v}"):
                   workflow_dir(work) / ("results" if v == "default" else f"results-{v}") / "draft" for v in variants}
         drafts.update({name: speculators_train(work, results, name) for name in SPECULATORS_RUNS})
-        for k in EVAL["ks"]:
+        for k in args.ks:
             evaluate(work, results, drafts, k)
     if args.step in ("evaluate", "summarize", "all"):
         summarize(work, {k: work / "eval" / f"k{k}" / "summary.json" for k in EVAL["ks"]})
