@@ -115,6 +115,11 @@ def exact_cache_tail_attention(q, k0, v0, k_tail, v_tail, scale: float) -> torch
     return out.to(dtype)
 
 
+def _repeat_kv(k, v, groups: int):
+    """``k, v [B, T, g, *]`` with each kv head repeated for its ``groups`` query heads."""
+    return k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+
+
 def _flash_forward(q, k, v, scale):
     """Causal flash attention on ``[B, T, heads, d]`` tensors: ``out [B, T, h, d]`` (a
     transposed view), ``lse [B, h, T]`` float32, and what the backward needs."""
@@ -130,7 +135,7 @@ def _flash_forward(q, k, v, scale):
             _FLASH_NATIVE_GQA = False
     repeat = groups > 1
     if repeat:
-        k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+        k, v = _repeat_kv(k, v, groups)
     res = _aten._scaled_dot_product_flash_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, False, scale=scale)
     return res, repeat
@@ -141,15 +146,16 @@ class _Flash:
 
     @staticmethod
     def forward(q, k, v, scale):
-        """``out [B, T, h, dv]``, ``lse [B, h, T]`` float32, and what :meth:`backward` needs."""
+        """``out [B, T, h, dv]``, ``lse [B, h, T]`` float32, what :meth:`backward` needs (saved
+        tensors, other values) and whether K/V went in repeated per query head."""
         (out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _), repeated = _flash_forward(q, k, v, scale)
-        return out.transpose(1, 2), lse, ((cu_q, cu_k, seed, offset), (max_q, max_k, repeated))
+        return out.transpose(1, 2), lse, (cu_q, cu_k, seed, offset), (max_q, max_k), repeated
 
     @staticmethod
     def backward(do, q, k, v, out, lse, scale, tensors, meta):
         """``[B, h, T, *]`` views in; the kernel rebuilds P from the (merged) ``out``/``lse``."""
         cu_q, cu_k, seed, offset = tensors
-        max_q, max_k, _ = meta
+        max_q, max_k = meta
         return _aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
 
@@ -163,17 +169,17 @@ class _Cudnn:
         groups = q.shape[2] // k.shape[2]
         repeated = groups > 1
         if repeated:
-            k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+            k, v = _repeat_kv(k, v, groups)
         out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)
         shape = tuple(lse.shape)
-        return out.transpose(1, 2), lse.reshape(shape[:3]), ((cu_q, cu_k, seed, offset),
-                                                              (max_q, max_k, repeated, shape))
+        return (out.transpose(1, 2), lse.reshape(shape[:3]), (cu_q, cu_k, seed, offset),
+                (max_q, max_k, shape), repeated)
 
     @staticmethod
     def backward(do, q, k, v, out, lse, scale, tensors, meta):
         cu_q, cu_k, seed, offset = tensors
-        max_q, max_k, _, shape = meta
+        max_q, max_k, shape = meta
         return _aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, out, lse.reshape(shape), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, True,
             scale=scale)
@@ -352,7 +358,7 @@ class FlashCacheTailAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, k_tail, v_tail, scale, kernel="flash"):
         q, k_tail, v_tail = q.contiguous(), k_tail.contiguous(), v_tail.contiguous()
-        out_c, lse_c, (tensors, meta) = _CACHE_KERNELS[kernel].forward(q, k0, v0, scale)   # [B, T, h, dv]
+        out_c, lse_c, tensors, meta, repeated = _CACHE_KERNELS[kernel].forward(q, k0, v0, scale)  # [B, T, h, dv]
         if k_tail.shape[0] == 0:
             out, lse = out_c, lse_c
         else:
@@ -361,19 +367,18 @@ class FlashCacheTailAttention(torch.autograd.Function):
                              k_tail, v_tail, scale)
             lse = lse.transpose(1, 2).contiguous()                   # [B, h, T] for the kernel
         ctx.save_for_backward(q, k0, v0, k_tail, v_tail, out, lse, *tensors)
-        ctx.meta = (scale, kernel, meta)
+        ctx.meta = (scale, kernel, meta, repeated)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k0, v0, k_tail, v_tail, out, lse, *tensors = ctx.saved_tensors
-        scale, kernel, meta = ctx.meta
+        scale, kernel, meta, repeated = ctx.meta
         b, t, h, d = q.shape
         g, dv_width = k0.shape[2], v0.shape[-1]
         groups = h // g
-        repeated = meta[2]
         grad_out = grad_out.contiguous()
-        k, v = (k0.repeat_interleave(groups, 2), v0.repeat_interleave(groups, 2)) if repeated else (k0, v0)
+        k, v = _repeat_kv(k0, v0, groups) if repeated else (k0, v0)
         dq, dk, dv = _CACHE_KERNELS[kernel].backward(
             grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             out.transpose(1, 2), lse, scale, tensors, meta)[:3]
