@@ -60,6 +60,7 @@ from eagle3flow.model.flops import OVER_PEAK, PeakFlops, mean_causal_context, tr
 from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.train.loss import scored_rows, ttt_loss
 from eagle3flow.train.data import to_device
+from step_profile import profile_step, profile_text      # benchmarks/, beside this script
 
 LLAMA_8B = {
     "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -215,11 +216,7 @@ def run_case(model, teacher_head, batch, num_steps: int, warmup: int, iters: int
     result, (loss, stats) = time_steps(step, warmup, iters, device)
     result.update({"loss": float(loss), "step_rows": [s[2] for s in stats], "step_acc0": stats[0][1]})
     if profile and cuda:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            sync()
-        result["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        result["profile"] = profile_step(step, sync)
     del optimizer
     return result
 
@@ -308,7 +305,7 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
                 first = False
                 if "profile" in case:
-                    print(case["profile"], file=sys.stderr)
+                    print(profile_text(case["profile"]), file=sys.stderr)
                 report["cases"].append(case)
                 print(json.dumps({k: v for k, v in case.items() if k not in ("draft_config", "profile")}),
                       file=sys.stderr, flush=True)
