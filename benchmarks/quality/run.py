@@ -82,6 +82,10 @@ SHARED = {
     "max_length": 1024,
 }
 EVAL = {"max_tokens": 128, "ks": [3, 7], "mt_bench_prompts": 80,
+        # One engine length and one replay depth for every K: the draft-free baseline run and
+        # the replays on its answers are then the same requests at each K, run at the first
+        # K's evaluation and reused by the others' (eval/k*/ share them; evaluate checks keys).
+        "max_model_len": 2048, "replay_max_k": 7,
         "temperatures": [0.6],      # besides greedy: Kimi-K2.5's instant mode
         "samples_per_prompt": 4}    # per prompt and side at temperature (the lossless test needs >= 2)
 # The established trainer's runs: its default loss, and lk_hybrid (the LK loss it offers).
@@ -329,6 +333,19 @@ def mt_bench_first_turns(out: Path, questions: Path = MT_BENCH) -> Path:
     return out
 
 
+def share_k_independent(out: Path) -> None:
+    """Copy into ``out`` (one K's evaluation) what another K's evaluation beside it already
+    ran and no K changes: the draft-free baseline run and the greedy replays on its answers
+    (copies, not links: a replay file is appended to). evaluate reuses a file only where its
+    recorded key matches the new request's, so a stale one is run again, never read."""
+    for other in sorted(out.parent.glob("k*")):
+        if other == out:
+            continue
+        for f in [other / "vllm_baseline.json", *other.glob("replay*.jsonl")]:
+            if f.is_file() and not (out / f.name).exists():
+                shutil.copy2(f, out / f.name)
+
+
 def evaluate(work: Path, results: Path, drafts: dict[str, Path], k: int) -> Path:
     """Every draft in one vLLM evaluation at ``k`` draft tokens: the held-out prompts and
     MT-bench first turns, greedy (with the exact replay) and at EVAL's temperatures."""
@@ -336,8 +353,10 @@ def evaluate(work: Path, results: Path, drafts: dict[str, Path], k: int) -> Path
         raise SystemExit(f"{MT_BENCH}: MT-bench is not there (../shared beside the checkout)")
     out = work / "eval" / f"k{k}"
     out.mkdir(parents=True, exist_ok=True)
+    share_k_independent(out)
     main_name, main_dir = next(iter(drafts.items()))
-    config = {"num_speculative_tokens": k, "vllm_sweep_k": [], "replay_max_k": k,
+    config = {"num_speculative_tokens": k, "vllm_sweep_k": [], "replay_max_k": max(k, EVAL["replay_max_k"]),
+              "max_model_len": EVAL["max_model_len"],
               "max_tokens": EVAL["max_tokens"], "num_prompts": None, "draft_name": main_name,
               "temperatures": EVAL["temperatures"], "samples_per_prompt": EVAL["samples_per_prompt"],
               "compare_drafts": {name: str(path) for name, path in list(drafts.items())[1:]},
