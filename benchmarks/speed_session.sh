@@ -2,6 +2,7 @@
 # Issue 32's measurements on one GPU in one call of at most 10 minutes, each step under its own
 # time limit so the ones before it always come back. Writes JSON and logs into OUT_DIR.
 #   PYTHONPATH=$PWD:<speculators wheels> bash benchmarks/speed_session.sh OUT_DIR SCRATCH_DIR
+# (the wheels: bash benchmarks/gpu_wheels.sh .whl here, carried; its header says how they install there)
 # 1. the 8B shape compute-only with fused AdamW and with the trainer's Muon, and speculators 0.9
 #    in the same run (~3 min); 2. the CUDA tests of training (~2.5 min; test_triton_kernels'
 #    interpreter run is left to the CPU suite); 3. the trainer from fp8 shards, compute-only with

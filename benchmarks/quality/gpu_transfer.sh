@@ -19,21 +19,7 @@ PY=${PYTHON:-.venv/bin/python}
 rm -rf "$D" && mkdir -p "$D/stage/whl"
 GGUF=$("$PY" -c "from eagle3flow.target.pretrained import gguf_location as g; d, n = g(); print(d / n)")
 cp "$GGUF" "$D/stage/"
-# speculators' own requirements that the image lacks, the project's (jsonschema), and gguf for
-# transformers' GGUF reader; openai is stubbed there (speculators imports it for its data
-# generation client only), so it and its HTTP stack do not travel
-WHEELS="speculators==0.9.0 hs-connectors==0.9.0 pydantic pydantic-core pydantic-settings annotated-types
- typing-inspection python-dotenv typing_extensions loguru datasets==5.1.0 multiprocess xxhash fsspec dill
- tzdata python_dateutil gguf==0.19.0 jsonschema jsonschema-specifications referencing rpds-py attrs
- rich markdown-it-py mdurl pygments shellingham click psutil tqdm protobuf filelock packaging
- aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl"
-PLATFORMS="--platform manylinux2014_x86_64"
-for n in 17 24 26 27 28 31 34; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
-for w in $WHEELS; do
-  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --abi cp312 --abi abi3 --abi none $PLATFORMS -d "$D/stage/whl" "$w" \
-    2> >(grep -v "is ignored" >&2)
-done
+bash benchmarks/gpu_wheels.sh "$D/stage/whl" quality
 if [ -n "$WORK" ]; then
   R=$WORK/workflow/results
   mkdir -p "$D/stage/wf/dataset"
