@@ -40,10 +40,10 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def _device_us(event, own: bool) -> float:
-    # torch >= 2.4 names it device time; older releases cuda time
-    attr = ("self_device_time_total" if own else "device_time_total")
-    return float(getattr(event, attr, getattr(event, attr.replace("device", "cuda"), 0.0)))
+def _self_device_us(event) -> float:
+    """The event's own GPU time (its kernels, not its children's), in microseconds; torch >= 2.4
+    names it device time, older releases cuda time."""
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
 
 
 def profile_step(step, sync, top: int = 25) -> dict:
@@ -60,16 +60,16 @@ def profile_step(step, sync, top: int = 25) -> dict:
     categories: dict[str, float] = {}
     for e in kernels:
         c = kernel_category(e.key)
-        categories[c] = categories.get(c, 0.0) + _device_us(e, own=True) / 1e3
+        categories[c] = categories.get(c, 0.0) + _self_device_us(e) / 1e3
     ops = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU
-                  and _device_us(e, own=True) > 0), key=lambda e: -_device_us(e, own=True))
+                  and _self_device_us(e) > 0), key=lambda e: -_self_device_us(e))
     return {
         "wall_ms": wall_ms,
         "busy_ms": sum(categories.values()),
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-        "ops": [{"op": e.key, "ms": _device_us(e, own=True) / 1e3, "calls": e.count} for e in ops[:top]],
-        "kernels": [{"kernel": e.key, "category": kernel_category(e.key), "ms": _device_us(e, own=True) / 1e3,
-                     "calls": e.count} for e in sorted(kernels, key=lambda e: -_device_us(e, own=True))[:top]],
+        "ops": [{"op": e.key, "ms": _self_device_us(e) / 1e3, "calls": e.count} for e in ops[:top]],
+        "kernels": [{"kernel": e.key, "category": kernel_category(e.key), "ms": _self_device_us(e) / 1e3,
+                     "calls": e.count} for e in sorted(kernels, key=lambda e: -_self_device_us(e))[:top]],
     }
 
 

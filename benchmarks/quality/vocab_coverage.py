@@ -26,10 +26,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+import run as quality     # the quality benchmark's run.py, beside this file: its paths and settings
 from eagle3flow.data.vocab import count_loss_tokens, select_draft_vocab, target_vocab_size
 
-REPO = Path(__file__).resolve().parents[2]
-MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 SIZES = (8192, 16384, 32000)
 
 
@@ -72,17 +71,17 @@ def outside_share(ids: list[list[int]], selected: np.ndarray) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True, help="run.py's --work (after its workflow-data step)")
-    ap.add_argument("--mt-bench-prompts", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--mt-bench-prompts", type=int, default=quality.EVAL["mt_bench_prompts"])
+    ap.add_argument("--max-new-tokens", type=int, default=quality.EVAL["max_tokens"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     results = args.work / "workflow" / "results"
     target, dataset = results / "pretrained" / "target", results / "dataset"
-    for path in (target / "config.json", dataset / "train.parquet", dataset / "eval.parquet", MT_BENCH):
+    for path in (target / "config.json", dataset / "train.parquet", dataset / "eval.parquet", quality.MT_BENCH):
         if not path.is_file():
             raise SystemExit(f"vocab_coverage: {path} is missing (run.py workflow-data; MT-bench beside the checkout)")
     counts = count_loss_tokens([dataset / "train.parquet"], target_vocab_size(target))
-    questions = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    questions = [json.loads(line)["turns"][0] for line in quality.MT_BENCH.read_text().splitlines() if line.strip()]
     sets = {"train": answers(dataset / "train.parquet"), "held_out": answers(dataset / "eval.parquet"),
             "mt_bench_turn1": greedy_answers(target, questions[:args.mt_bench_prompts], args.max_new_tokens)}
     report = {"distinct_train_answer_tokens": int((counts > 0).sum()), "target_vocab_size": len(counts),
