@@ -372,10 +372,11 @@ def gpu_drafts(work: Path, results: Path, keeps: list[Path]) -> dict[str, Path]:
     """round31.sh's drafts (each ``keep`` folder's subfolders, named as the comparison names
     them) in the layout vLLM loads: the project's exported with its vocabulary map,
     speculators' with the embedding put back. The project's defaults first (the evaluation's
-    main draft)."""
+    main draft). Other folders there (gpu_session.sh packs its logs as ``s/``) are not drafts."""
     target = (results / "pretrained" / "target").resolve()
     drafts = {}
-    for checkpoint in sorted((d for keep in keeps for d in keep.iterdir() if d.is_dir()),
+    for checkpoint in sorted((d for keep in keeps for d in keep.iterdir()
+                              if (d / "draft_config.json").is_file() or (d / "stripped.json").is_file()),
                              key=lambda d: (d.name != "eagle3flow", d.name)):
         out = work / "drafts" / checkpoint.name
         if not (out / "config.json").is_file():
