@@ -242,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--against", default="", choices=["", "speculators"],
                     help="also time the established trainer's step on the same shape (benchmarks/"
                          "established_trainer.py) and print the project's tokens/s over it")
+    ap.add_argument("--matmuls", default="bf16",
+                    help="comma list of: bf16, fp8 (train.fp8_matmuls: the layer's GEMMs in fp8)")
     ap.add_argument("--optimizer", default="adamw",
                     help="comma list of: adamw (fused; as the established trainer is timed), muon (the "
                          "trainer's default train.optimizer: Newton-Schulz on the hidden matrices)")
@@ -271,8 +273,10 @@ def main(argv=None) -> int:
         samples, tokens = (args.kimi_samples, args.kimi_sample_tokens) if setting.startswith("kimi") \
             else (args.samples, args.sample_tokens)
         context = mean_causal_context([tokens] * samples)
-        for compiled, optimizer in [(c, o) for c in args.compile.split(",") for o in args.optimizer.split(",")]:
+        for compiled, optimizer, matmuls in [(c, o, m) for c in args.compile.split(",")
+                                             for o in args.optimizer.split(",") for m in args.matmuls.split(",")]:
             model.compile_steps = compiled == "on"
+            model.fp8_matmuls = matmuls == "fp8"
             for mask, shapes in [(m, sh) for sh in args.shapes.split(",") for m in args.masks.split(",")]:
                 if compiled == "on":
                     torch._dynamo.reset()       # each case compiles as a fresh run would
@@ -283,7 +287,7 @@ def main(argv=None) -> int:
                 scored_share = float(batch["step_rows"].sum()) / (n * args.ttt_steps)
                 flops = train_flops_per_token(cfg, args.ttt_steps, context, scored_share=scored_share)
                 case = {"setting": setting, "mask": mask, "compile": compiled, "shapes": shapes, "tokens": n,
-                        "optimizer": optimizer,
+                        "optimizer": optimizer, "matmuls": matmuls,
                         "samples": samples, "sample_tokens": tokens,
                         "scored_fraction": float(batch["loss_mask"].float().mean()),
                         "draft_config": cfg.to_dict(), "flops_per_token": flops}
@@ -355,6 +359,11 @@ def percent(fraction: float | None) -> str:
     return OVER_PEAK if fraction is None else f"{fraction:.1%}"
 
 
+def optimizer_label(case: dict) -> str:
+    """The table's optimizer cell, with the GEMMs' precision where it is not bf16."""
+    return case.get("optimizer", "adamw") + (", fp8 GEMMs" if case.get("matmuls") == "fp8" else "")
+
+
 def markdown_table(report: dict) -> str:
     datasheet = report.get("datasheet_peak_tflops")
     lines = [f"{report['device']}, torch {report['torch']}, {report['matmul_size']}^3 matmul "
@@ -372,20 +381,23 @@ def markdown_table(report: dict) -> str:
         if "error" in c:
             empty = "| " * (5 if datasheet else 4)
             lines.append(f"| {shape} | {c['mask']} | {c['compile']} | {c.get('shapes', '')} | "
-                         f"{c.get('optimizer', 'adamw')} | {c['tokens']} "
+                         f"{optimizer_label(c)} | {c['tokens']} "
                          f"{empty}| {c['error'][:80]} |")
             continue
         lines.append(f"| {shape} | {c['mask']} ({c['scored_fraction']:.0%}) | {c['compile']} | {c.get('shapes', '')} | "
-                     f"{c.get('optimizer', 'adamw')} | "
+                     f"{optimizer_label(c)} | "
                      f"{c['tokens']} | {c['flops_per_token']['total'] / 1e9:.2f} | {c['step_s_mean'] * 1e3:.1f} | "
                      f"{c['tokens_per_s']:,.0f} | {percent(c['mfu'])} | "
                      + (f"{percent(c['mfu_datasheet'])} | " if datasheet else "")
                      + f"{c.get('peak_memory_gib', float('nan')):.1f} |")
+    if any(c.get("matmuls") == "fp8" for c in report["cases"]):
+        lines.append("\nfp8 rows: their FLOP count over the bf16 matmul rate measured in the run (fp8 tensor "
+                     "cores run up to twice that), so their MFU says how much faster than bf16, not utilisation")
     for e in report.get("established", []):
         if "error" in e:
             lines.append(f"\n{e['trainer']} on {e['setting']}: {e['error'][:200]}")
             continue
-        ratios = ", ".join(f"{c['mask']}/{c['compile']}/{c.get('shapes', '')}/{c.get('optimizer', 'adamw')} "
+        ratios = ", ".join(f"{c['mask']}/{c['compile']}/{c.get('shapes', '')}/{optimizer_label(c)} "
                            f"{c['ratio_to_established']:.3f}x"
                            for c in report["cases"] if "ratio_to_established" in c)
         lines.append(f"\n{e['trainer']} (same run, {e['setting']} {e['samples']} x {e['sample_tokens']}, every "

@@ -172,6 +172,69 @@ def test_ttt_loss_bf16_fast_path_tracks_fp32():
         assert _rel(grads16[name], grads32[name]) < 5e-2, name
 
 
+fp8_tensor_cores = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                      reason="needs fp8 tensor cores (compute capability 8.9 or newer)")
+
+
+@fp8_tensor_cores
+def test_fp8_linear_on_cuda_matches_its_cpu_emulation():
+    """torch._scaled_mm's three products (rowwise scales, 77 tokens: the weight gradient's
+    token dimension padded) against the same casts multiplied in float32 on the CPU."""
+    from eagle3flow.model.kernels.fp8_linear import fp8_linear, fp8_weight
+
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(77, 256), torch.randn(384, 256) * 0.05, torch.randn(77, 384)
+    out = {}
+    for device in ("cpu", "cuda"):
+        xd = x.to(device, torch.bfloat16).requires_grad_()
+        wd = w.to(device, torch.bfloat16).requires_grad_()
+        y = fp8_linear(xd, fp8_weight(wd))
+        y.backward(dy.to(device, torch.bfloat16))
+        out[device] = [t.detach().float().cpu() for t in (y, xd.grad, wd.grad)]
+    for name, cpu, cuda in zip(("y", "dx", "dw"), out["cpu"], out["cuda"]):
+        assert _rel(cuda, cpu) < 1e-2, name
+
+
+@fp8_tensor_cores
+def test_ttt_loss_with_fp8_matmuls_tracks_bf16():
+    """The compiled bf16-autocast TTT step with train.fp8_matmuls: loss and gradients within
+    fp8's precision of the same step in bf16."""
+    from eagle3flow.model.config import DraftConfig
+    from eagle3flow.model.draft import Eagle3Draft
+    from eagle3flow.train.loss import ttt_loss
+
+    cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=1024, vocab_size=1000,
+                      draft_vocab_size=600, aux_layer_ids=[1, 3, 5])
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    with torch.no_grad():
+        model.reset_parameters(std=0.05)
+        model.embed_tokens.weight.normal_()
+    model = model.cuda()
+    lengths = [300, 97, 211]
+    n = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+    batch = {"aux": torch.randn(n, 3 * cfg.hidden_size, device="cuda"),
+             "last": torch.randn(n, cfg.hidden_size, device="cuda"),
+             "input_ids": torch.randint(0, cfg.vocab_size, (n,), device="cuda"),
+             "loss_mask": torch.rand(n, device="cuda") < 0.6, "cu_seqlens": cu}
+    head = (torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1).to(torch.bfloat16)
+    results = {}
+    for fp8 in (False, True):
+        model.fp8_matmuls = fp8
+        model.zero_grad(set_to_none=True)
+        loss, _ = ttt_loss(model, batch, head, 4, 0.8, True)
+        loss.backward()
+        results[fp8] = (loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    (loss16, grads16), (loss8, grads8) = results[False], results[True]
+    assert loss8 != loss16 and loss8 == pytest.approx(loss16, rel=3e-2)
+    assert set(grads8) == set(grads16)
+    for name in grads16:
+        assert _rel(grads8[name], grads16[name]) < 0.1, name
+
+
 def test_fused_linear_soft_cross_entropy_matches_reference():
     from eagle3flow.model.kernels.soft_cross_entropy import _TritonLinearSoftCE, linear_soft_cross_entropy_reference
 

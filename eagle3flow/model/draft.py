@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eagle3flow.model.config import DraftConfig
+from eagle3flow.model.kernels.fp8_linear import Fp8Weight, fp8_weight, linear
 from eagle3flow.model.kernels.ttt_attention import cache_tail_attention
 
 
@@ -255,11 +256,15 @@ def pre_attention(embeds: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Ten
     ``qkv_proj(cat[input_layernorm(e), hidden_norm(h)])`` with the norms' weights folded
     into the two column halves of the stacked q/k/v weight (``w_embed``, ``w_hidden``
     ``[(h+2kvh)*d, H]``): the same product, and the backward skips the input gradient of
-    the embedding half (the embeddings are frozen).
+    the embedding half (the embeddings are frozen). Halves given as :class:`Fp8Weight` are
+    multiplied in fp8, each on its own.
     """
     n = hidden.shape[0]
-    qkv = torch.addmm(F.linear(rms_normalize(embeds, eps), w_embed), rms_normalize(hidden, eps),
-                      w_hidden.t())
+    if isinstance(w_embed, Fp8Weight) or isinstance(w_hidden, Fp8Weight):
+        qkv = linear(rms_normalize(embeds, eps), w_embed) + linear(rms_normalize(hidden, eps), w_hidden)
+    else:
+        qkv = torch.addmm(F.linear(rms_normalize(embeds, eps), w_embed), rms_normalize(hidden, eps),
+                          w_hidden.t())
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = apply_rope(q.view(n, heads, head_dim), cos, sin)
     k = apply_rope(k.view(n, kv_heads, head_dim), cos, sin)
@@ -271,10 +276,11 @@ def post_attention(hidden: torch.Tensor, attn_out: torch.Tensor, w_o: torch.Tens
                    w_final_norm: torch.Tensor, eps: float):
     """Attention output ``[N, h*d]`` + residual ``hidden [N, H]`` -> the step's ``h_out``
     (o_proj, post-attention norm, SiLU MLP with gate/up stacked in one weight) and
-    ``norm(h_out)``, the lm_head's input (both ``[N, H]``)."""
-    residual = hidden + F.linear(attn_out, w_o)
-    gate, up = F.linear(rms_normalize(residual, eps) * w_post_norm, w_gate_up).chunk(2, dim=-1)
-    h_out = residual + F.linear(F.silu(gate) * up, w_down)
+    ``norm(h_out)``, the lm_head's input (both ``[N, H]``). Weights given as
+    :class:`Fp8Weight` are multiplied in fp8."""
+    residual = hidden + linear(attn_out, w_o)
+    gate, up = linear(rms_normalize(residual, eps) * w_post_norm, w_gate_up).chunk(2, dim=-1)
+    h_out = residual + linear(F.silu(gate) * up, w_down)
     return h_out, rms_normalize(h_out, eps) * w_final_norm
 
 
@@ -371,10 +377,12 @@ class Eagle3Draft(nn.Module):
         sin = (emb.sin() * self.rope_scale).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def step_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def step_weights(self, dtype: torch.dtype, fp8: bool = False) -> dict[str, torch.Tensor]:
         """The midlayer's weights in ``dtype``, stacked/folded for :func:`pre_attention` (or
         :func:`mla_pre_attention`) and :func:`post_attention`; built once per forward
-        (differentiable w.r.t. the parameters)."""
+        (differentiable w.r.t. the parameters). ``fp8``: the Llama layer's q/k/v halves and
+        both layers' o_proj and MLP weights come with their fp8 casts (:class:`Fp8Weight`),
+        which those functions multiply in fp8."""
         layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
         hid = self.config.hidden_size
         weights = {
@@ -393,10 +401,14 @@ class Eagle3Draft(nn.Module):
             if self.config.q_lora_rank:
                 mla.update(q_a_norm=attn.q_a_layernorm.weight, q_b=attn.q_b_proj.weight)
             weights["mla"] = {k: v.to(dtype) for k, v in mla.items()}
-            return weights
-        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
-        weights.update(w_embed=w_qkv[:, :hid] * layer.input_layernorm.weight.to(dtype),
-                       w_hidden=w_qkv[:, hid:] * layer.hidden_norm.weight.to(dtype))
+        else:
+            w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)
+            weights.update(w_embed=w_qkv[:, :hid] * layer.input_layernorm.weight.to(dtype),
+                           w_hidden=w_qkv[:, hid:] * layer.hidden_norm.weight.to(dtype))
+        if fp8:
+            for key in ("w_o", "w_gate_up", "w_down", "w_embed", "w_hidden"):
+                if key in weights:
+                    weights[key] = fp8_weight(weights[key])
         return weights
 
     def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
@@ -438,13 +450,15 @@ class Eagle3Draft(nn.Module):
         attention goes through eagle3flow/model/kernels/ttt_attention.py (flash kernel on CUDA).
         The per-step pieces run through torch.compile on CUDA (``self.compile_steps``:
         ``None`` = on CUDA only, or force ``True``/``False``; ~15 s of compilation once).
+        ``self.fp8_matmuls`` (``train.fp8_matmuls``; off unless set): the layer's GEMMs in
+        fp8 (MLA's: o_proj and the MLP; eagle3flow/model/kernels/fp8_linear.py).
         """
         layout = layout or PackedLayout.from_cu_seqlens(cu_seqlens, aux.device)
         n = input_ids.shape[0]
         cfg, attn = self.config, self.midlayer.self_attn
         scale = self.attention_scale
         dtype = compute_dtype(aux.device, self.fc.weight.dtype)
-        weights = self.step_weights(dtype)
+        weights = self.step_weights(dtype, fp8=getattr(self, "fp8_matmuls", False))
         compile_steps = getattr(self, "compile_steps", None)
         if compile_steps is None:
             compile_steps = aux.is_cuda

@@ -127,6 +127,10 @@ class Trainer:
             # Frozen and only looked up: bf16 is what autocast computes with anyway, at half the memory.
             model.embed_tokens.to(torch.bfloat16)
         self.model = model.to(device).train()
+        model.fp8_matmuls = cfg["fp8_matmuls"]
+        if model.fp8_matmuls:
+            fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+            log(f"train: the layer's GEMMs in fp8 (train.fp8_matmuls){'' if fp8 else ': not on this GPU (no fp8 tensor cores), bf16'}")
         self.teacher_head = teacher_head.to(device, torch.bfloat16 if self.autocast else torch.float32)
         self.objective = Objective.of(cfg)
         self.unreachable_head = None
