@@ -81,6 +81,22 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path, capfd):
     assert [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] == rows
 
 
+def test_train_learns_with_fp8_matmuls(train_inputs, tmp_path, capfd):
+    """train.fp8_matmuls through the trainer (the kernels' CPU emulation): the log says so, it
+    learns, and its losses differ from the bf16 path's (the casts are really taken)."""
+    runs = {}
+    for fp8 in (False, True):
+        out = tmp_path / f"train-{fp8}"
+        train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
+              tmp_path / f"cache-{fp8}", {**TRAIN_CONFIG, "epochs": 3, "fp8_matmuls": fp8})
+        runs[fp8] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "the layer's GEMMs in fp8 (train.fp8_matmuls)" in capfd.readouterr().err
+    plain, fp8 = runs[False], runs[True]
+    assert len(fp8) == len(plain) and fp8 != plain
+    assert sum(fp8[-3:]) < sum(fp8[:3]) - 0.02
+    assert fp8[-1] == pytest.approx(plain[-1], rel=0.05)
+
+
 def test_checkpoints_can_be_picked_by_the_rejection_estimate_at_temperature(train_inputs, tmp_path):
     """train.checkpoint_metric rejection_estimate: the best checkpoint is the one with the
     highest expected acceptance under rejection sampling at checkpoint_temperature, and
