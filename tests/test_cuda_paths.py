@@ -129,12 +129,11 @@ def test_triton_soft_cross_entropy_matches_reference():
     assert _rel(fast_in.grad, ref_in.grad) < 1e-2
 
 
-def test_ttt_loss_bf16_fast_path_tracks_fp32():
-    """ttt_loss under bf16 autocast (flash attention, Triton CE, folded weights) gives the loss
-    and gradients of the float32 exact path, on packed samples of unequal lengths."""
+def cuda_draft_and_batch():
+    """A random Llama-layer draft on the GPU (norm weights away from 1, so folding them into
+    the GEMMs shows) and a batch of three packed samples of unequal lengths."""
     from eagle3flow.model.config import DraftConfig
     from eagle3flow.model.draft import Eagle3Draft
-    from eagle3flow.train.loss import ttt_loss
 
     cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
@@ -156,6 +155,15 @@ def test_ttt_loss_bf16_fast_path_tracks_fp32():
              "last": torch.randn(n, cfg.hidden_size, device="cuda"),
              "input_ids": torch.randint(0, cfg.vocab_size, (n,), device="cuda"),
              "loss_mask": torch.rand(n, device="cuda") < 0.6, "cu_seqlens": cu}
+    return cfg, model, batch
+
+
+def test_ttt_loss_bf16_fast_path_tracks_fp32():
+    """ttt_loss under bf16 autocast (flash attention, Triton CE, folded weights) gives the loss
+    and gradients of the float32 exact path, on packed samples of unequal lengths."""
+    from eagle3flow.train.loss import ttt_loss
+
+    cfg, model, batch = cuda_draft_and_batch()
     head = torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1
     results = {}
     for autocast in (False, True):
@@ -199,27 +207,9 @@ def test_fp8_linear_on_cuda_matches_its_cpu_emulation():
 def test_ttt_loss_with_fp8_matmuls_tracks_bf16():
     """The compiled bf16-autocast TTT step with train.fp8_matmuls: loss and gradients within
     fp8's precision of the same step in bf16."""
-    from eagle3flow.model.config import DraftConfig
-    from eagle3flow.model.draft import Eagle3Draft
     from eagle3flow.train.loss import ttt_loss
 
-    cfg = DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=512, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, max_position_embeddings=1024, vocab_size=1000,
-                      draft_vocab_size=600, aux_layer_ids=[1, 3, 5])
-    torch.manual_seed(0)
-    model = Eagle3Draft(cfg)
-    with torch.no_grad():
-        model.reset_parameters(std=0.05)
-        model.embed_tokens.weight.normal_()
-    model = model.cuda()
-    lengths = [300, 97, 211]
-    n = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
-    batch = {"aux": torch.randn(n, 3 * cfg.hidden_size, device="cuda"),
-             "last": torch.randn(n, cfg.hidden_size, device="cuda"),
-             "input_ids": torch.randint(0, cfg.vocab_size, (n,), device="cuda"),
-             "loss_mask": torch.rand(n, device="cuda") < 0.6, "cu_seqlens": cu}
+    cfg, model, batch = cuda_draft_and_batch()
     head = (torch.randn(cfg.draft_vocab_size, cfg.hidden_size, device="cuda") * 0.1).to(torch.bfloat16)
     results = {}
     for fp8 in (False, True):
