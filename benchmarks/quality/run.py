@@ -570,7 +570,13 @@ def main(argv=None) -> int:
         for k in args.ks:
             evaluate(work, results, drafts, k)
     if args.step in ("evaluate", "summarize", "all"):
-        summarize(work, {k: work / "eval" / f"k{k}" / "summary.json" for k in EVAL["ks"]})
+        found = {k: path for k in EVAL["ks"] if (path := work / "eval" / f"k{k}" / "summary.json").is_file()}
+        if not found:
+            raise SystemExit(f"summarize: no K's evaluation under {work / 'eval'} (evaluate first)")
+        missing = sorted(set(EVAL["ks"]) - set(found))
+        if missing:
+            print(f"[quality] summarize: K={missing} not evaluated (yet): the table holds K={sorted(found)}")
+        summarize(work, found)
     return 0
 
 
