@@ -83,14 +83,20 @@ def test_train_learns_and_writes_outputs(train_inputs, tmp_path, capfd):
 
 def test_train_learns_with_fp8_matmuls(train_inputs, tmp_path, capfd):
     """train.fp8_matmuls through the trainer (the kernels' CPU emulation): the log says so, it
-    learns, and its losses differ from the bf16 path's (the casts are really taken)."""
+    learns, its losses differ from the bf16 path's (the casts are really taken), and its
+    evaluation scores the draft as it is served, without fp8."""
     runs = {}
     for fp8 in (False, True):
         out = tmp_path / f"train-{fp8}"
-        train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
-              tmp_path / f"cache-{fp8}", {**TRAIN_CONFIG, "epochs": 3, "fp8_matmuls": fp8})
+        ev = train(train_inputs["train"], train_inputs["eval"], train_inputs["vocab"], train_inputs["target"], out,
+                   tmp_path / f"cache-{fp8}", {**TRAIN_CONFIG, "epochs": 3, "fp8_matmuls": fp8,
+                                              # a score of probabilities: fp8's noise would show in it
+                                              "checkpoint_metric": "rejection_estimate",
+                                              "checkpoint_temperature": 0.6})
         runs[fp8] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "the layer's GEMMs in fp8 (train.fp8_matmuls)" in capfd.readouterr().err
+    served = evaluate_split(load_trained(out, train_inputs["target"]), train_inputs["eval"], 3, temperature=0.6)
+    assert served["rejection_acceptance_length"] == pytest.approx(ev["rejection_acceptance_length"], rel=1e-6)
     plain, fp8 = runs[False], runs[True]
     assert len(fp8) == len(plain) and fp8 != plain
     assert sum(fp8[-3:]) < sum(fp8[:3]) - 0.02

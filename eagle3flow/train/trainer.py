@@ -215,11 +215,16 @@ class Trainer:
         return {"loss": loss, "stats": stats, "counts": counts, "grad_norm": grad_norm, "lr": lr}
 
     def evaluate(self, eval_split: Manifest) -> dict:
-        with bf16_autocast(self.device):
-            return evaluate_split(self.model, eval_split, self.num_steps, self.cfg["eval_max_tokens"],
-                                  teacher_head=self.teacher_head.float(), batch_tokens=self.cfg["batch_tokens"],
-                                  temperature=(self.cfg["checkpoint_temperature"] if self.picks_at_temperature
-                                               else None))
+        # the draft as it is served: bf16 GEMMs, whatever train.fp8_matmuls trains with
+        fp8, self.model.fp8_matmuls = self.model.fp8_matmuls, False
+        try:
+            with bf16_autocast(self.device):
+                return evaluate_split(self.model, eval_split, self.num_steps, self.cfg["eval_max_tokens"],
+                                      teacher_head=self.teacher_head.float(), batch_tokens=self.cfg["batch_tokens"],
+                                      temperature=(self.cfg["checkpoint_temperature"] if self.picks_at_temperature
+                                                   else None))
+        finally:
+            self.model.fp8_matmuls = fp8
 
     @property
     def picks_at_temperature(self) -> bool:
