@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
+from eagle3flow.model.kernels.fp8_linear import fp8_device
 from support.targets import make_random_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -180,8 +181,9 @@ def test_ttt_loss_bf16_fast_path_tracks_fp32():
         assert _rel(grads16[name], grads32[name]) < 5e-2, name
 
 
-fp8_tensor_cores = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                                      reason="needs fp8 tensor cores (compute capability 8.9 or newer)")
+fp8_tensor_cores = pytest.mark.skipif(
+    not torch.cuda.is_available() or not fp8_device(torch.device("cuda")),
+    reason="needs fp8 tensor cores (compute capability 8.9 or newer)")
 
 
 @fp8_tensor_cores

@@ -57,6 +57,7 @@ from eagle3flow.config import cli_settings, section_settings
 from eagle3flow.device import limit_cpu_threads
 from eagle3flow.extract.shards import Manifest, load_manifest
 from eagle3flow.model.flops import PeakFlops, mean_causal_context, train_flops_per_token
+from eagle3flow.model.kernels.fp8_linear import fp8_device
 from eagle3flow.model.optimizer_flops import optimizer_flops_per_step
 from eagle3flow.progress import Progress
 from eagle3flow.train.build import build_draft, load_unreachable_head, load_vocab_map
@@ -129,8 +130,8 @@ class Trainer:
         self.model = model.to(device).train()
         model.fp8_matmuls = cfg["fp8_matmuls"]
         if model.fp8_matmuls:
-            fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-            log(f"train: the layer's GEMMs in fp8 (train.fp8_matmuls){'' if fp8 else ': not on this GPU (no fp8 tensor cores), bf16'}")
+            log("train: the layer's GEMMs in fp8 (train.fp8_matmuls)"
+                + ("" if fp8_device(device) else ": not on this GPU (no fp8 tensor cores), bf16"))
         self.teacher_head = teacher_head.to(device, torch.bfloat16 if self.autocast else torch.float32)
         self.objective = Objective.of(cfg)
         self.unreachable_head = None

@@ -53,12 +53,18 @@ class Fp8Weight(NamedTuple):
     cols_scale: torch.Tensor       # [in, 1]
 
 
+def fp8_device(device: torch.device) -> bool:
+    """Whether fp8 products run on ``device``: anywhere but a CUDA GPU without fp8 tensor cores
+    (compute capability below 8.9); off CUDA through the float32 emulation."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_supported(weight: torch.Tensor) -> bool:
-    """Whether :func:`fp8_linear` can take this weight: both sides multiples of 16, and on CUDA
-    a GPU whose tensor cores take fp8 (compute capability 8.9 or newer)."""
+    """Whether :func:`fp8_linear` can take this weight: both sides multiples of 16, on a
+    device :func:`fp8_device` accepts."""
     if weight.dim() != 2 or weight.shape[0] % ALIGN or weight.shape[1] % ALIGN:
         return False
-    return not weight.is_cuda or torch.cuda.get_device_capability(weight.device) >= (8, 9)
+    return fp8_device(weight.device)
 
 
 _COMPILED_QUANTIZE = []
